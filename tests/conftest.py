@@ -1,0 +1,30 @@
+"""Test setup: Triton runs under its interpreter on machines without CUDA; `gpu` tests need
+--run-gpu (and a GPU)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover - torch is a hard dependency
+    pass
+
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-gpu", action="store_true", help="run tests marked gpu (needs CUDA)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-gpu"):
+        return
+    skip = pytest.mark.skip(reason="GPU test: pass --run-gpu on a machine with CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,51 @@
+"""The skipped-depth copy on the device KV tensors: it fills every skipped plane of every layer
+for the exiting token and touches nothing else."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers import GQA, tiny_model
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.paged_executor import PagedExecutor
+
+
+def test_exit_copy_fills_skipped_planes_only():
+    manager = KVCacheManager(num_blocks=16, block_size=4, layout="last_exited", num_loops=4)
+    cache = DeviceKVCache(3, 16, 4, 2, 8, torch.float32, "cpu")
+    cache.kv.normal_()
+    before = cache.kv.clone()
+    manager.reserve("a", 7)
+    manager.reserve("b", 7)
+    pos, exit_depth = 6, 1
+    pairs = manager.exit_copy_slots("a", pos, exit_depth)
+    src, dst = torch.tensor(pairs).T
+    cache.copy_slots(src, dst)
+
+    flat = cache.kv.view(3, 2, -1, 2, 8)
+    old = before.view(3, 2, -1, 2, 8)
+    src_slot = manager.slot("a", exit_depth, pos)
+    for plane in (2, 3):
+        slot = manager.slot("a", plane, pos)
+        assert torch.equal(flat[:, :, slot], old[:, :, src_slot])  # every layer, K and V
+    changed = (flat != old).any(dim=(0, 1, 3, 4)).nonzero().flatten().tolist()
+    assert sorted(changed) == sorted(manager.slot("a", p, pos) for p in (2, 3))
+
+
+def test_executor_exit_copies_every_layer():
+    model = tiny_model(seed=0, **GQA)
+    ex = PagedExecutor.create(model, num_blocks=16, block_size=4)
+    ex.prefill_all_depths("a", [1, 2, 3])
+    kv_before = ex.kv_cache.kv.clone()
+    ex.exit("a", [2], [0])
+    m = ex.kv_manager
+    src = m.slot("a", 0, 2)
+    flat = ex.kv_cache.kv.view(model.config.num_hidden_layers, 2, -1, 2, 8)
+    for plane in (1, 2, 3):
+        assert torch.equal(flat[:, :, m.slot("a", plane, 2)], flat[:, :, src])
+    flat_before = kv_before.view_as(flat)
+    for pos in (0, 1):  # other positions keep their executed planes
+        for plane in range(4):
+            slot = m.slot("a", plane, pos)
+            assert torch.equal(flat[:, :, slot], flat_before[:, :, slot])

@@ -1,0 +1,1 @@
+"""Attention: per-row metadata and backends (torch reference, Triton)."""

@@ -1,0 +1,58 @@
+"""The attention-backend interface and the registry of backends (lazy imports)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from vllm_rlt.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Writes an invocation's K/V into the paged cache, then attends over it."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [R, Hq, d]; k, v: [R, Hkv, d]; caches: [num_blocks, block_size, Hkv, d].
+
+        Writes k, v at `meta.slot_mapping`, then returns the causal attention output [R, Hq, d]
+        of every row over its plane (positions <= its own), accumulated in fp32.
+        """
+        ...
+
+
+_BACKENDS = {
+    "torch": ("vllm_rlt.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("vllm_rlt.attention.triton_backend", "TritonAttentionBackend"),
+}
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)()
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each row's K/V at its flat slot (one index_copy per tensor)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

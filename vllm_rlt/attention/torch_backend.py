@@ -1,0 +1,50 @@
+"""Reference attention backend in plain torch: clear rather than fast.
+
+It loops over segments (not rows), gathers the segment's visible KV through its block table and
+computes a masked softmax in fp32. Kernels are tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.attention.backend import write_kv
+from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.models.layers import acc_dtype
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_heads, head_dim = q.shape[1:]
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        bs = meta.block_size
+        acc = acc_dtype(q.dtype)
+        out = torch.empty_like(q)
+        rows = meta.seg_row_starts_host
+        for s, t0 in enumerate(meta.seg_token_starts_host):
+            r0, r1 = rows[s], rows[s + 1]
+            ctx = t0 + r1 - r0
+            blocks = meta.block_tables[s, : (ctx + bs - 1) // bs].long()
+            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].to(acc)
+            vals = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].to(acc)
+            keys = keys.repeat_interleave(group, dim=1)
+            vals = vals.repeat_interleave(group, dim=1)
+            scores = torch.einsum("nhd,chd->hnc", q[r0:r1].to(acc), keys) * head_dim**-0.5
+            row_pos = torch.arange(t0, ctx, device=q.device)
+            visible = torch.arange(ctx, device=q.device)[None, :] <= row_pos[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[r0:r1] = torch.einsum("hnc,chd->nhd", probs, vals).to(q.dtype)
+        return out

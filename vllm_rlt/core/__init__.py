@@ -1,0 +1,1 @@
+"""Host-side engine core: KV block accounting and scheduling. Imports no torch."""

@@ -1,0 +1,121 @@
+"""`vllm-rlt inspect`: what a looped model thinks at each depth for a prompt's last position.
+
+Per depth it prints the top next tokens with probabilities, the gate's exit probability
+sigmoid(g_t) and the exit distribution p_t with its CDF (MODELS.md §1.5), computed with the paged
+model; `--check` recomputes with the dense reference and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from vllm_rlt.models.loader import load_model
+from vllm_rlt.models.reference import DenseOuroReference
+from vllm_rlt.worker.paged_executor import PagedExecutor
+
+CHECK_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="per-depth predictions and exit gate for a prompt")
+    p.add_argument("model", nargs="?", help="HF model directory (default: a tiny random Ouro)")
+    p.add_argument("--prompt", default="def fibonacci(n):", help="text to inspect")
+    p.add_argument("--top-k", type=int, default=5, help="tokens shown per depth")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) or a name")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--load-format", default="auto", help="auto/safetensors or dummy weights")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--block-size", type=int, default=16, help="KV positions per block")
+    p.add_argument("--check", action="store_true", help="compare with the dense reference")
+    p.set_defaults(func=run)
+
+
+def exit_distribution(gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_logits [D] -> (p_t, CDF_t): p_t = l_t prod_{j<t}(1 - l_j), the last loop takes the
+    remaining mass."""
+    lam = torch.sigmoid(gate_logits.double())
+    survive = torch.cumprod(torch.cat([lam.new_ones(1), 1 - lam[:-1]]), 0)
+    p = lam * survive
+    p[-1] = survive[-1]
+    return p, p.cumsum(0)
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from vllm_rlt.models.tiny import write_tiny_ouro
+
+            model_dir = write_tiny_ouro(tmp)
+            print(f"no model given: built a tiny random Ouro in {model_dir}")
+        loaded = load_model(
+            model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            attention_backend=args.attention_backend,
+        )
+        return report(loaded, args)
+
+
+def report(loaded, args: argparse.Namespace) -> int:
+    model, tok = loaded.model, loaded.tokenizer
+    ids = tok.encode(args.prompt).ids if tok is not None else [int(x) for x in args.prompt.split()]
+    if not ids:
+        raise SystemExit("the prompt encodes to no tokens")
+    blocks = -(-len(ids) // args.block_size) * model.num_loops
+    executor = PagedExecutor.create(model, blocks, args.block_size)
+    states, gates = executor.prefill_all_depths("inspect", ids)
+    last_states, last_gates = states[:, -1], gates[:, -1]
+    with torch.inference_mode():
+        probs = model.coda(last_states).float().softmax(-1)
+    p_exit, cdf = exit_distribution(last_gates)
+    dtype = model.lm_head.weight.dtype
+    print(
+        f"model: {loaded.model_dir} ({loaded.config.model_type}, {model.num_loops} loops, {dtype})"
+    )
+    print(f"prompt: {args.prompt!r} ({len(ids)} tokens); predictions for the next token")
+    for depth in range(model.num_loops):
+        top = probs[depth].topk(min(args.top_k, probs.shape[-1]))
+        words = ", ".join(
+            f"{_show(tok, int(i))} {float(pr):.3f}"
+            for pr, i in zip(top.values, top.indices, strict=True)
+        )
+        lam = float(torch.sigmoid(last_gates[depth].double()))
+        print(
+            f"loop {depth + 1}: exit gate {lam:.3f}  p(exit here) {float(p_exit[depth]):.3f}  "
+            f"cdf {float(cdf[depth]):.3f} | {words}"
+        )
+    if args.check:
+        return check(model, ids, states, gates, dtype)
+    return 0
+
+
+def check(model, ids, states, gates, dtype) -> int:
+    with torch.inference_mode():
+        ref = DenseOuroReference.from_model(model).run(ids)
+        logits = model.coda(states)
+
+    def err(a, b):
+        return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+    errors = {
+        "hidden": err(states, ref.hidden),
+        "gate": err(gates, ref.gate_logits),
+        "logits": err(logits, ref.logits),
+    }
+    tol = CHECK_TOL[dtype]
+    ok = all(e <= tol for e in errors.values())
+    shown = ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+    print(
+        f"check vs dense reference (max relative error, all depths): {shown} -> "
+        f"{'OK' if ok else 'MISMATCH'} (tolerance {tol:g})"
+    )
+    return 0 if ok else 1
+
+
+def _show(tok, token_id: int) -> str:
+    return repr(tok.decode([token_id])) if tok is not None else str(token_id)

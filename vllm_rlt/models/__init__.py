@@ -1,0 +1,1 @@
+"""Looped-model implementations, the checkpoint loader and the dense reference."""

@@ -1,0 +1,168 @@
+"""Load a looped model from an HF checkpoint directory.
+
+Reads `config.json` (model chosen by `model_type`), then `model.safetensors` or the shards named
+by `model.safetensors.index.json`, checks names and shapes strictly, and casts to the chosen dtype.
+`load_format="dummy"` builds seeded random weights for any real config instead (benchmarks of
+full-size shapes without the checkpoint). The tokenizer (`tokenizer.json`) comes from the same
+directory when present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from vllm_rlt.models import registry
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose files or tensors do not match the model."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # in eval mode, on its device and dtype
+    config: object  # the parsed model config (e.g. OuroConfig)
+    tokenizer: Tokenizer | None  # from tokenizer.json, if the directory has one
+    model_dir: Path
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """ "auto" is bf16 on GPU and fp32 on CPU; otherwise a name from DTYPES."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def read_config(model_dir: str | Path) -> object:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a model directory needs config.json")
+    raw = json.loads(path.read_text())
+    config_cls, _ = registry.resolve(raw.get("model_type"))
+    return config_cls.from_dict(raw)
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device | None = None,
+    load_format: str = "auto",
+    attention_backend: str = "torch",
+    seed: int = 0,
+) -> LoadedModel:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model_dir = Path(model_dir)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = resolve_dtype(dtype, device)
+    config = read_config(model_dir)
+    _, model_cls = registry.resolve(config.model_type)
+    with torch.device(device):
+        model = model_cls(config, attention_backend=attention_backend)
+    model.to(torch_dtype)
+    if load_format == "dummy":
+        init_random_weights(model, seed)
+    else:
+        load_safetensors(model, model_dir)
+    tokenizer_path = model_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
+    return LoadedModel(model.eval().requires_grad_(False), config, tokenizer, model_dir)
+
+
+def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> parameter (a tied LM head is not stored separately)."""
+    return dict(model.named_parameters())  # named_parameters drops the tied duplicate
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the file holding it (single file or sharded index)."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index.name} has no 'weight_map'")
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        absent = sorted({p.name for p in files.values() if not p.is_file()})
+        if absent:
+            raise CheckpointError(f"{index.name} names shard files that are missing: {absent}")
+        return files
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no iter
+    raise CheckpointError(
+        f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
+    )
+
+
+@torch.no_grad()
+def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into the model after a strict name and shape check."""
+    params = expected_tensors(model)
+    files = checkpoint_files(model_dir)
+    problems = []
+    missing = sorted(set(params) - set(files))
+    unexpected = sorted(set(files) - set(params))
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(set(params) & set(files)):
+        by_file.setdefault(files[name], []).append(name)
+    loaded: dict[str, torch.Tensor] = {}
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(params[name].shape):
+                    problems.append(
+                        f"{name} has shape {list(shape)}, expected {list(params[name].shape)}"
+                    )
+                elif not problems:
+                    loaded[name] = f.get_tensor(name)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint in {model_dir} does not match the model: " + "; ".join(problems)
+        )
+    for name, tensor in loaded.items():
+        params[name].copy_(tensor)
+
+
+@torch.no_grad()
+def init_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights that keep activations and logits in a useful range.
+
+    Matrices ~ N(0, 1/fan_in) (the embedding ~ N(0, 1)), norm weights ~ U(0.5, 1.5) so that a
+    swapped norm changes results, biases ~ N(0, 1).
+    """
+    for name, param in sorted(expected_tensors(model).items()):
+        gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+        if name.endswith("norm.weight"):
+            values = torch.rand(param.shape, generator=gen, device=param.device) + 0.5
+        elif param.dim() == 1:
+            values = torch.randn(param.shape, generator=gen, device=param.device)
+        else:
+            std = 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(param.shape[1])
+            values = torch.randn(param.shape, generator=gen, device=param.device) * std
+        param.copy_(values)
+
+
+def _stable_hash(text: str) -> int:
+    """A hash that does not change between processes (unlike hash())."""
+    return sum((i + 1) * ord(ch) for i, ch in enumerate(text)) % (2**31)

@@ -1,0 +1,1 @@
+"""Device side: the only owner of tensors (KV cache, hidden states, model execution)."""
