@@ -70,7 +70,9 @@ def test_freed_blocks_are_reused():
 def test_core_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import vllm_rlt.core, vllm_rlt.core.kv_cache_manager, vllm_rlt.core.block_pool\n"
+        "import vllm_rlt.core.kv_cache_manager, vllm_rlt.core.block_pool\n"
+        "import vllm_rlt.core.sched.scheduler, vllm_rlt.core.sched.prefill_planner\n"
+        "import vllm_rlt.core.sched.exit_policy, vllm_rlt.core.sched.execution_batch\n"
         "assert 'torch' not in {m for m in sys.modules if sys.modules[m] is not None}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

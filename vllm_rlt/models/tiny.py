@@ -8,6 +8,8 @@ tokenizer_config.json, so the real loader and tokenizer paths are exercised.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -98,6 +100,20 @@ def write_tiny_ouro(
         "model_max_length": raw["max_position_embeddings"],
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    return path
+
+
+def default_model_dir() -> Path:
+    """The model used when none is given: a tiny random Ouro cached under ~/.cache/vllm-rlt."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-rlt"
+    path = root / "tiny-ouro"
+    if not path.is_dir():
+        tmp = root / f"tiny-ouro.tmp{os.getpid()}"
+        write_tiny_ouro(tmp)
+        try:
+            tmp.rename(path)  # atomic: readers never see a half-written directory
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp)
     return path
 
 

@@ -1,0 +1,149 @@
+"""Scheduler rules without a model: loop_count derivation (R1-R4), budgets, modes, chunk
+bookkeeping. A fake runner answers every step."""
+
+from __future__ import annotations
+
+from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
+from vllm_rlt.core.sched.exit_policy import make_exit_policy
+from vllm_rlt.core.sched.scheduler import Scheduler
+from vllm_rlt.request import ExitSettings, PrefillPiece, Request
+from vllm_rlt.sampling_params import SamplingParams
+
+D = 4
+
+
+def scheduler(**kw) -> Scheduler:
+    kv = KVCacheManager(4096, 4, kw.pop("layout", "last_exited"), D)
+    return Scheduler(SchedulerConfig(**kw), kv, make_exit_policy("ouro", None), D)
+
+
+def request(req_id, prompt_len, max_tokens=4, threshold=1.0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(req_id, list(range(prompt_len)), params, ExitSettings(1, D, threshold), seed=0)
+
+
+def step(s: Scheduler, gate: float = 0.0):
+    batch = s.schedule()
+    decode = [t for t in batch.requests if t.kind is RowKind.DECODE]
+    out = RunnerOutput(
+        sampled={r: SampledToken(1, None, ()) for r in batch.sample_req_ids},
+        decode_gate_logits=tuple(gate for _ in decode),
+    )
+    s.update(batch, out)
+    return batch
+
+
+def test_prefill_only_batch_runs_atomically_even_with_requests_waiting():
+    s = scheduler(max_num_seqs=1, max_num_batched_tokens=16, prefill_chunk_size=8)
+    s.add_request(request("a", 8))
+    s.add_request(request("b", 8))
+    batch = step(s)
+    assert batch.loop_count == D  # R2: "b" waiting does not split "a"'s chunk
+    assert [(t.request_id, t.token_start, t.num_tokens, t.depth) for t in batch.requests] == [
+        ("a", 0, 8, 0)
+    ]
+    a = s.requests["a"]
+    assert (a.num_prefilled_tokens, a.prefill_reclaimable_tokens, a.pieces) == (8, 8, [])
+    assert a.ready_loops == D and not a.in_prefill
+
+
+def test_mixed_batch_with_decode_rows_runs_one_loop_decode_first():
+    s = scheduler(max_num_seqs=2, max_num_batched_tokens=6, prefill_chunk_size=8)
+    s.add_request(request("a", 3))
+    step(s)  # a's prompt, atomically
+    s.add_request(request("b", 8))
+    batch = step(s)
+    assert batch.loop_count == 1  # R1
+    kinds = [(t.request_id, t.kind, t.num_tokens, t.depth) for t in batch.requests]
+    assert kinds == [("a", RowKind.DECODE, 1, 0), ("b", RowKind.PREFILL, 5, 0)]  # entry cut to 5
+    assert batch.sample_req_ids == ("a",)
+    b = s.requests["b"]
+    assert (b.num_prefilled_tokens, b.prefill_reclaimable_tokens) == (5, 0)
+    batch = step(s)
+    assert [(t.request_id, t.token_start, t.num_tokens, t.depth) for t in batch.requests] == [
+        ("a", 3, 1, 1),
+        ("b", 0, 5, 1),  # the first piece advances before the rest of the chunk enters
+    ]
+
+
+def test_rule3_an_overtaking_task_forces_one_loop():
+    s = scheduler(max_num_seqs=1, max_num_batched_tokens=4, prefill_chunk_size=8)
+    req = request("a", 8)
+    s.add_request(req)
+    s._admit()
+    # a piece at depth 1 that no longer fits the budget, and a later piece at depth 0 that does
+    req.pieces = [PrefillPiece(0, 5, 1), PrefillPiece(5, 3, 0)]
+    req.num_prefilled_tokens = 8
+    batch = s.schedule()
+    assert [(t.token_start, t.depth) for t in batch.requests] == [(5, 0)]
+    assert batch.loop_count == 1  # depth 1 of positions 0-4 is missing: R3
+
+
+def test_rule4_stall_limit_caps_prefill_only_batches():
+    s = scheduler(max_num_seqs=1, max_num_batched_tokens=8, max_prefill_stall_loops=3)
+    s.add_request(request("a", 8))
+    first, second = step(s), step(s)
+    assert (first.loop_count, second.loop_count) == (3, 1)
+    assert [(t.token_start, t.depth) for t in second.requests] == [(0, 3)]
+    assert not s.requests["a"].in_prefill
+
+
+def test_refill_never_mixes_prefill_and_decode():
+    s = scheduler(
+        scheduling_mode="refill", max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk_size=4
+    )
+    for i, n in enumerate((3, 9, 5)):
+        s.add_request(request(f"r{i}", n, max_tokens=3))
+    while s.has_unfinished():
+        batch = step(s)
+        kinds = {t.kind for t in batch.requests}
+        assert len(kinds) <= 1
+        if RowKind.PREFILL in kinds:
+            assert batch.loop_count == D and not batch.sample_req_ids
+        assert batch.num_rows <= 8
+
+
+def test_no_refill_holds_exited_tokens_until_the_cohort_exits():
+    s = scheduler(scheduling_mode="no_refill", max_num_seqs=2, max_num_batched_tokens=8)
+    s.add_request(request("a", 2, max_tokens=6, threshold=0.5))
+    s.add_request(request("b", 2, max_tokens=6, threshold=1.0))
+    step(s)  # both prompts
+    step(s, gate=-5.0)  # both sample their first token and run loop 1 (no exit: CDF 0.007)
+    step(s, gate=5.0)  # a's gate fires (exit after 2 loops), b keeps looping (threshold 1)
+    assert s.requests["a"].ready_loops == 2 and s.requests["b"].decode is not None
+    while s.requests["b"].decode is not None:
+        batch = step(s, gate=5.0)
+        assert "a" not in batch.sample_req_ids  # a's coda waits for the cohort
+    batch = s.schedule()
+    assert set(batch.sample_req_ids) == {"a", "b"}
+
+
+def test_budget_counts_rows_of_one_invocation_and_seqs_cap_requests():
+    s = scheduler(max_num_seqs=3, max_num_batched_tokens=7, prefill_chunk_size=5)
+    for i in range(5):
+        s.add_request(request(f"r{i}", 11, max_tokens=2, threshold=0.5))
+    seen = set()
+    while s.has_unfinished():
+        batch = step(s, gate=1.0)
+        assert batch.num_rows <= 7
+        assert len({t.request_id for t in batch.requests}) <= 3
+        assert len(s.running) <= 3
+        for t in batch.requests:
+            if t.kind is RowKind.PREFILL:
+                assert t.token_start // 5 == (t.token_start + t.num_tokens - 1) // 5  # one chunk
+                seen.add((t.request_id, t.token_start, t.num_tokens))
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+
+
+def test_shared_layout_prefills_in_position_waves():
+    s = scheduler(layout="shared", max_num_seqs=2, max_num_batched_tokens=16)
+    s.add_request(request("a", 3))
+    s.add_request(request("b", 2))
+    batch = step(s)
+    assert batch.loop_count == D
+    assert [(t.request_id, t.token_start, t.num_tokens) for t in batch.requests] == [
+        ("a", 0, 1),
+        ("b", 0, 1),
+    ]

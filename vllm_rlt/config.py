@@ -1,0 +1,162 @@
+"""Frozen, validated engine configuration, one dataclass per concern.
+
+Every field's `help` metadata is its single description: `--help` of the CLI and the docs are
+generated from it. Values measured at startup (the number of KV blocks) live in resolved objects,
+never back in these configs. Unsupported combinations fail here with a message naming both
+settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SCHEDULING_MODES = ("refill", "no_refill", "mixed")
+EXIT_MODES = ("ouro", "ouro_delayed", "trace")
+KV_LAYOUTS = ("last_exited", "shared")
+QUEUE_POLICIES = ("fcfs", "priority")
+
+
+def _help(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _help(
+        "HF model directory (config.json, safetensors, tokenizer.json)", default=None
+    )
+    dtype: str = _help(
+        "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16", default="auto"
+    )
+    load_format: str = _help(
+        "auto/safetensors: read the weights; dummy: seeded random weights", default="auto"
+    )
+    device: str | None = _help("cpu or cuda (default: cuda when available)", default=None)
+    attention_backend: str = _help(
+        "attention implementation: torch (reference) or triton", default="torch"
+    )
+    seed: int = _help(
+        "seed for dummy weights and for the seeds drawn for requests that give none", default=0
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _help("KV positions per block", default=16)
+    kv_layout: str = _help(
+        "last_exited: one KV plane per depth, exits copy into skipped planes; shared: one plane",
+        default="last_exited",
+    )
+    num_kv_blocks: int | None = _help(
+        "KV blocks (all planes share them); default: from kv_cache_memory_gb", default=None
+    )
+    kv_cache_memory_gb: float = _help(
+        "memory for the KV cache when num_kv_blocks is unset", default=1.0
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.block_size >= 1, "block_size", self.block_size, ">= 1")
+        _check(self.kv_layout in KV_LAYOUTS, "kv_layout", self.kv_layout, f"one of {KV_LAYOUTS}")
+        _check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            "num_kv_blocks",
+            self.num_kv_blocks,
+            ">= 1",
+        )
+        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb, "> 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _help("most requests running at once (and so per batch)", default=8)
+    max_num_batched_tokens: int = _help("most rows in one recurrent-core invocation", default=1024)
+    prefill_chunk_size: int | None = _help(
+        "prompt positions per prefill chunk (default: max_num_batched_tokens)", default=None
+    )
+    scheduling_mode: str = _help(
+        "refill: prefill and decode in separate batches; no_refill: decode cohorts; "
+        "mixed: prefill rows fill the budget beside decode rows",
+        default="mixed",
+    )
+    queue_policy: str = _help("fcfs or priority (lower value first, then arrival)", default="fcfs")
+    max_prefill_stall_loops: int | None = _help(
+        "latency rule: with admissible requests waiting, a prefill-only batch runs at most this "
+        "many loops before the scheduler decides again (default: no limit)",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+        chunk = self.prefill_chunk_size
+        _check(chunk is None or chunk >= 1, "prefill_chunk_size", chunk, ">= 1")
+        mode = self.scheduling_mode
+        _check(mode in SCHEDULING_MODES, "scheduling_mode", mode, f"one of {SCHEDULING_MODES}")
+        policy = self.queue_policy
+        _check(policy in QUEUE_POLICIES, "queue_policy", policy, f"one of {QUEUE_POLICIES}")
+        stall = self.max_prefill_stall_loops
+        _check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
+
+    @property
+    def chunk_size(self) -> int:
+        return self.prefill_chunk_size or self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    exit_mode: str = _help(
+        "ouro: exit when the gate's exit CDF reaches the threshold; ouro_delayed: one loop "
+        "later; trace: replay given exit depths",
+        default="ouro",
+    )
+    exit_threshold: float | None = _help(
+        "default CDF threshold in [0, 1] (1 = fixed depth); default: the model config's",
+        default=None,
+    )
+    trace_seed: int | None = _help(
+        "trace mode: draw each decode token's loops from this seed when a request gives no trace",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.exit_mode in EXIT_MODES, "exit_mode", self.exit_mode, f"one of {EXIT_MODES}")
+        t = self.exit_threshold
+        _check(t is None or 0.0 <= t <= 1.0, "exit_threshold", t, "in [0, 1]")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat field names (`LLM(model, max_num_seqs=4, ...)`, CLI flags)."""
+        parts = {}
+        for name, sub in SECTIONS.items():
+            own = {f.name for f in fields(sub)}
+            parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
+        if kwargs:
+            raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
+        return cls(**parts)
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "exit": ExitConfig,
+}
+
+
+def _check(ok: bool, name: str, value: Any, want: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {value!r}")

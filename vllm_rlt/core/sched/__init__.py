@@ -1,0 +1,1 @@
+"""Scheduling: plan types, the scheduler, prefill planners and exit policies (no torch)."""

@@ -1,0 +1,103 @@
+"""The plan the scheduler hands the runner each step: plain frozen data, no torch.
+
+A step runs, in order: the skipped-depth KV copies, the coda + sampling of `sample_req_ids`,
+then `loop_count` recurrent-core invocations over `requests`. Each invocation advances every live
+row one depth; a prefill task's rows drop out after depth D-1, decode rows appear only in
+batches with `loop_count == 1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class RowKind(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One contiguous row range of one request at one depth (a task). A request may appear
+    several times in one batch (several tasks at different depths)."""
+
+    request_id: str  # the request the rows belong to
+    kind: RowKind  # PREFILL (prompt positions) or DECODE (the request's newest token)
+    token_start: int  # position of the first row
+    num_tokens: int  # rows (consecutive positions)
+    depth: int  # 0-based depth of the rows in the first invocation (0 = enter via the prelude)
+    # row offset into the request's prefill hidden-state ring (slot * chunk_size + offset in
+    # the chunk); None = the runner derives it from token_start on the chunk grid
+    prefill_hidden_row_offset: int | None = None
+
+
+@dataclass(frozen=True)
+class StateSpan:
+    """Where a row range's hidden state lives: the runner's gather/scatter unit."""
+
+    request_id: str  # owner of the rows
+    token_start: int  # first position
+    num_tokens: int  # rows
+    prefill_hidden_row_offset: int | None  # ring row of token_start; None for decode rows
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """What the runner mirrors about a request it has not seen before."""
+
+    request_id: str  # id used by every later plan
+    prompt_token_ids: tuple[int, ...]  # the prompt (prefill rows take their tokens from here)
+    ring_slots: int  # chunks the request's prefill hidden-state ring holds (1 or depth D)
+    chunk_size: int  # rows per ring slot
+    temperature: float  # sampling settings, as in SamplingParams
+    top_k: int  # 0 = off
+    top_p: float  # 1.0 = off
+    seed: int  # always set: the scheduler draws one for unseeded requests
+    num_logprobs: int  # top alternatives to return per token; -1 = none
+
+
+@dataclass(frozen=True)
+class ExecutionBatch:
+    requests: tuple[ScheduledRequest, ...]  # tasks of the first invocation
+    loop_count: int  # invocations before control returns to the scheduler
+    new_requests: tuple[NewRequestData, ...] = ()  # requests the runner sees first here
+    # (request_id, per-plane block tables) for requests whose tables changed
+    block_tables: tuple[tuple[str, tuple[tuple[int, ...], ...]], ...] = ()
+    kv_copies: tuple[tuple[int, int], ...] = ()  # (src, dst) flat slots, all layers, K and V
+    # requests whose next token is sampled at the start of this step (coda of their state);
+    # a DECODE row at depth 0 of such a request takes that token
+    sample_req_ids: tuple[str, ...] = ()
+    finished_req_ids: tuple[str, ...] = ()  # requests the runner forgets before this step
+
+    @property
+    def num_rows(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    def is_empty(self) -> bool:
+        return not (self.requests or self.sample_req_ids)
+
+    def live(self, invocation: int, num_loops: int) -> tuple[ScheduledRequest, ...]:
+        """Tasks with rows in invocation `invocation` (0-based) of a depth-`num_loops` model:
+        prefill tasks until their final depth, decode rows in the first invocation only."""
+        return tuple(
+            t
+            for t in self.requests
+            if t.depth + invocation < num_loops and (t.kind is RowKind.PREFILL or invocation == 0)
+        )
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int  # the sampled token
+    logprob: float | None  # its logprob under the raw model distribution (None if not asked)
+    top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob) best first
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What the scheduler needs back from a step (host data)."""
+
+    sampled: dict[str, SampledToken]  # request_id -> token sampled this step
+    # gate logits of the decode rows of the (single) invocation, in plan order
+    decode_gate_logits: tuple[float, ...]

@@ -1,0 +1,242 @@
+"""The scheduler: admission, the per-step plan (`schedule`) and its consequences (`update`).
+
+Invariant of `schedule()`: every row of the plan's first invocation counts against
+`max_num_batched_tokens`; every running request holds the KV for all the positions it may write
+(reserved at admission), so no step can run out of KV; decode rows come before prefill tasks.
+
+`loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
+  R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries);
+  R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
+  R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
+      (its planes must be written first): one loop;
+  R4. latency rule `max_prefill_stall_loops`: a prefill-only batch runs at most that many loops,
+      so new arrivals are admitted within that many loops.
+Merely having waiting requests does not split a batch.
+"""
+
+from __future__ import annotations
+
+from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.core.kv_cache_manager import KVCacheManager, KVLayout
+from vllm_rlt.core.sched.execution_batch import (
+    ExecutionBatch,
+    NewRequestData,
+    RowKind,
+    RunnerOutput,
+    ScheduledRequest,
+)
+from vllm_rlt.core.sched.exit_policy import ExitPolicy
+from vllm_rlt.core.sched.prefill_planner import ChunkedPrefillPlanner
+from vllm_rlt.core.sched.request_queue import RequestQueue
+from vllm_rlt.request import DecodeToken, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        exit_policy: ExitPolicy,
+        num_loops: int,
+    ):
+        self.config = config
+        self.kv = kv_manager
+        self.exit_policy = exit_policy
+        self.num_loops = num_loops
+        # SHARED KV needs position waves: a position finishes every depth before the next one
+        chunk = 1 if kv_manager.layout is KVLayout.SHARED else config.chunk_size
+        self.planner = ChunkedPrefillPlanner(chunk, num_loops, ring_slots=1)
+        self.waiting = RequestQueue(config.queue_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._new: list[NewRequestData] = []  # what the runner hears in the next batch
+        self._copies: dict[str, list[tuple[int, int]]] = {}
+        self._finished: list[str] = []
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request in any state (abort, or a stop string found by the engine)."""
+        req = self.requests.get(req_id)
+        if req is None or req.status.finished:
+            return None
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+            self.kv.free(req_id)
+            self._copies.pop(req_id, None)
+            self._finished.append(req_id)
+        req.status = status
+        del self.requests[req_id]
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> ExecutionBatch:
+        self._admit()
+        budget = self.config.max_num_batched_tokens
+        decode_tasks: list[ScheduledRequest] = []
+        samples: list[str] = []
+        prefill_tasks: list[ScheduledRequest] = []
+        if self.config.scheduling_mode == "mixed":
+            decode_tasks, samples = self._decode_work(budget)
+            prefill_tasks = self._plan_prefill(budget - len(decode_tasks))
+        else:  # refill / no_refill: a batch holds prefill work or decode work, not both
+            prefill_tasks = self._plan_prefill(budget)
+            if not prefill_tasks:
+                decode_tasks, samples = self._decode_work(budget)
+        loops = self._loop_count(decode_tasks, prefill_tasks)
+        new = tuple(self._new)
+        batch = ExecutionBatch(
+            requests=tuple(decode_tasks + prefill_tasks),
+            loop_count=loops,
+            new_requests=new,
+            block_tables=tuple(
+                (
+                    n.request_id,
+                    tuple(self.kv.block_table(n.request_id, p) for p in range(self.kv.num_planes)),
+                )
+                for n in new
+            ),
+            kv_copies=tuple(c for copies in self._copies.values() for c in copies),
+            sample_req_ids=tuple(samples),
+            finished_req_ids=tuple(self._finished),
+        )
+        self._new, self._copies, self._finished = [], {}, []
+        return batch
+
+    def _admit(self) -> None:
+        while len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            if req is None or not self.kv.can_reserve(req.request_id, req.max_positions):
+                return
+            self.waiting.pop()
+            self.kv.reserve(req.request_id, req.max_positions)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            params = req.sampling_params
+            self._new.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    prompt_token_ids=tuple(req.prompt_token_ids),
+                    ring_slots=self.planner.ring_slots,
+                    chunk_size=self.planner.chunk_size,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    seed=req.seed,
+                    num_logprobs=-1 if params.logprobs is None else params.logprobs,
+                )
+            )
+
+    def _decode_work(self, budget: int) -> tuple[list[ScheduledRequest], list[str]]:
+        """One row per decoding request (the newest token at its next depth), and the requests
+        whose next token is sampled now; no_refill holds samples until the cohort has exited."""
+        decoding = [r for r in self.running if not r.in_prefill]
+        cohort_done = all(r.ready_loops is not None for r in decoding)
+        hold = self.config.scheduling_mode == "no_refill" and not cohort_done
+        tasks, samples = [], []
+        for req in decoding:
+            if req.ready_loops is not None:
+                if hold:
+                    continue
+                if req.is_last_sample:
+                    samples.append(req.request_id)
+                    continue
+                if len(tasks) >= budget:
+                    continue
+                samples.append(req.request_id)
+                index = len(req.output_token_ids)
+                req.decode = DecodeToken(position=req.num_tokens, index=index)
+                self.exit_policy.start(req.decode, req.exit, req.request_id)
+            elif req.decode is None or len(tasks) >= budget:
+                continue
+            tok = req.decode
+            tasks.append(
+                ScheduledRequest(req.request_id, RowKind.DECODE, tok.position, 1, tok.loops_done)
+            )
+        return tasks, samples
+
+    def _plan_prefill(self, budget: int) -> list[ScheduledRequest]:
+        tasks: list[ScheduledRequest] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.in_prefill:
+                own = self.planner.plan_request(req, budget)
+                budget -= sum(t.num_tokens for t in own)
+                tasks += own
+        return tasks
+
+    def _loop_count(self, decode_tasks, prefill_tasks) -> int:
+        if decode_tasks or not prefill_tasks:  # R1
+            return 1
+        loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
+        if self.config.max_prefill_stall_loops is not None:  # R4
+            loops = min(loops, self.config.max_prefill_stall_loops)
+        for req_id, tasks in _by_request(prefill_tasks).items():  # R3
+            if not self.planner.atomic_loops(self.requests[req_id], tasks, loops):
+                return 1
+        return loops
+
+    # ---- update -----------------------------------------------------------------------------
+    def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:
+        """Apply a step's results; returns the requests that produced a token or finished."""
+        touched: dict[str, Request] = {}
+        for req_id in batch.sample_req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                self._append_token(req, output.sampled[req_id])
+                touched[req_id] = req
+        decode = [t for t in batch.requests if t.kind is RowKind.DECODE]
+        for task, gate in zip(decode, output.decode_gate_logits, strict=True):
+            req = self.requests.get(task.request_id)
+            if req is not None and req.decode is not None:
+                self._after_loop(req, gate)
+        for req_id, tasks in _by_request(batch.requests, RowKind.PREFILL).items():
+            req = self.requests.get(req_id)
+            if req is not None and self.planner.advance(req, tasks, batch.loop_count):
+                req.ready_loops = self.num_loops  # the first token comes from full depth
+        return list(touched.values())
+
+    def _append_token(self, req: Request, sampled) -> None:
+        req.output_token_ids.append(sampled.token_id)
+        req.output_exit_depths.append(req.ready_loops)
+        if req.sampling_params.logprobs is not None:
+            req.output_logprobs.append(
+                {sampled.token_id: sampled.logprob, **dict(sampled.top_logprobs)}
+            )
+        req.ready_loops = None
+        params, tok = req.sampling_params, sampled.token_id
+        if not params.ignore_eos and tok in req.eos_token_ids or tok in params.stop_token_ids:
+            req.stop_reason = tok
+            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        elif len(req.output_token_ids) >= params.max_tokens:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+
+    def _after_loop(self, req: Request, gate_logit: float) -> None:
+        tok = req.decode
+        tok.loops_done += 1
+        if not self.exit_policy.should_exit(tok, req.exit, gate_logit):
+            return
+        req.decode = None
+        req.ready_loops = tok.loops_done
+        copies = self.kv.exit_copy_slots(req.request_id, tok.position, tok.loops_done - 1)
+        if copies:
+            self._copies.setdefault(req.request_id, []).extend(copies)
+
+
+def _by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRequest]]:
+    out: dict[str, list[ScheduledRequest]] = {}
+    for t in tasks:
+        if kind is None or t.kind is kind:
+            out.setdefault(t.request_id, []).append(t)
+    return out

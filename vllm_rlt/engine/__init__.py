@@ -1,0 +1,1 @@
+"""Engines: the synchronous step loop (and, later, the async loop for servers)."""

@@ -1,0 +1,184 @@
+"""The synchronous engine: `add_request`, `step`, `abort_request`.
+
+A step is `schedule -> execute -> update` (ARCHITECTURE.md §3) plus output processing; the
+engine adds validation and bookkeeping around it, never scheduling logic.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.exit_policy import make_exit_policy
+from vllm_rlt.core.sched.scheduler import Scheduler
+from vllm_rlt.engine.output_processor import OutputProcessor
+from vllm_rlt.engine.stats import EngineStats
+from vllm_rlt.models.loader import load_model
+from vllm_rlt.models.tiny import default_model_dir
+from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.request import ExitSettings, Request, RequestStatus
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.model_runner import ModelRunner
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc, cc, sc = config.model, config.cache, config.scheduler
+        loaded = load_model(
+            mc.model or default_model_dir(),
+            dtype=mc.dtype,
+            device=mc.device,
+            load_format=mc.load_format,
+            attention_backend=mc.attention_backend,
+            seed=mc.seed,
+        )
+        self.model, self.model_config, self.tokenizer = (
+            loaded.model,
+            loaded.config,
+            loaded.tokenizer,
+        )
+        self.num_loops = self.model.num_loops
+        weight = self.model.lm_head.weight
+        c = self.model_config
+        block_bytes = (
+            c.num_hidden_layers * 2 * cc.block_size * c.num_key_value_heads * c.head_dim
+        ) * weight.element_size()
+        num_blocks = cc.num_kv_blocks or max(1, int(cc.kv_cache_memory_gb * 2**30 // block_bytes))
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.kv_layout, self.num_loops)
+        kv_cache = DeviceKVCache(
+            c.num_hidden_layers,
+            num_blocks,
+            cc.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+        exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
+        self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
+        self.runner = ModelRunner(
+            self.model,
+            kv_cache,
+            self.kv_manager.num_planes,
+            sc.max_num_seqs,
+            self.scheduler.planner.ring_slots * self.scheduler.planner.chunk_size,
+        )
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._seeds = random.Random(mc.seed)  # seeds for requests that give none
+        self.stats = EngineStats()
+        eos = c.eos_token_id
+        self.eos_token_ids = (
+            tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        exit_trace: list[int] | None = None,
+    ) -> None:
+        """Queue a request; bad input raises ValueError naming the field (nothing is queued)."""
+        params = params or SamplingParams()
+        text, ids = self._prompt_ids(prompt)
+        self._validate(ids, params)
+        if request_id in self.scheduler.requests or self.outputs.children(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        settings = self._exit_settings(params, exit_trace)
+        children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        self.outputs.add(request_id, text, ids, children)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        for i, child in enumerate(children):
+            seed = self._seeds.getrandbits(62) if params.seed is None else params.seed + i
+            req = Request(
+                child, list(ids), params, settings, seed, self.eos_token_ids, now, priority
+            )
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its samples) in any state; its KV is freed at once. Returns its
+        final output (finish_reason "abort"), or None for an unknown or finished request."""
+        final = None
+        for child in self.outputs.children(request_id):
+            self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            self.outputs.finish(child, RequestStatus.FINISHED_ABORTED)
+            final = self.outputs.collect([child])[0]
+        return final
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt: text needs a tokenizer; this model has none, pass token ids"
+                )
+            return prompt, self.tokenizer.encode(prompt).ids
+        return None, list(prompt)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        c = self.model_config
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < c.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt has token ids outside the vocabulary [0, {c.vocab_size}): {bad[:5]}"
+            )
+        params.validate_for_depth(self.num_loops)
+        total = len(ids) + params.max_tokens
+        if total > c.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's {c.max_position_embeddings} positions"
+            )
+        capacity = self.kv_manager.max_tokens_per_request()
+        if total - 1 > capacity:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {total - 1} "
+                f"KV positions but the KV cache holds at most {capacity} per request"
+            )
+
+    def _exit_settings(self, params: SamplingParams, trace: list[int] | None) -> ExitSettings:
+        default = self.config.exit.exit_threshold
+        if default is None:
+            default = self.model_config.early_exit_threshold
+        threshold = params.exit_threshold if params.exit_threshold is not None else default
+        return ExitSettings(
+            min_loops=params.min_loops or 1,
+            max_loops=params.max_loops or self.num_loops,
+            threshold=1.0 if threshold is None else threshold,
+            trace=tuple(trace) if trace is not None else None,
+        )
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        result = self.runner.execute(batch)
+        self.stats.record_batch(batch, self.num_loops)
+        touched = self.scheduler.update(batch, result)
+        for req in touched:
+            self.stats.record_token(req.output_exit_depths[-1])
+            hit = self.outputs.process(req)
+            if hit is not None and not req.status.finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        return self.outputs.collect([r.request_id for r in touched])
+
+    @torch.inference_mode()
+    def generate_all(self) -> list[RequestOutput]:
+        """Step until every request finished; returns the final outputs in finishing order."""
+        finished = []
+        while self.has_unfinished_requests():
+            finished += [o for o in self.step() if o.finished]
+        return finished

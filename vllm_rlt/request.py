@@ -1,0 +1,94 @@
+"""Request: host-side state of one sequence (no tensors). Only the scheduler mutates it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from vllm_rlt.sampling_params import SamplingParams
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class PrefillPiece:
+    """Rows of one chunk that entered depth 0 together; they stay together through every depth."""
+
+    token_start: int  # first prompt position
+    num_tokens: int  # rows
+    depth: int  # next depth to run (num_loops = all depths done)
+
+
+@dataclass
+class DecodeToken:
+    """The newest token while it loops: its position and the exit policy's running state."""
+
+    position: int  # the token's position
+    index: int  # which decode position of the request (0 = the first output token's)
+    loops_done: int = 0  # loops completed so far
+    remaining: float = 1.0  # probability mass not yet exited, prod(1 - sigmoid(gate))
+    exit_at: int | None = None  # delayed policies: the loop count at which to exit
+
+
+@dataclass
+class ExitSettings:
+    min_loops: int  # resolved per request, 1 <= min_loops <= max_loops <= D
+    max_loops: int
+    threshold: float  # exit CDF threshold; 1.0 = fixed depth
+    trace: tuple[int, ...] | None = None  # trace mode: loops of each decode position
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    exit: ExitSettings
+    seed: int  # the sampler seed (drawn by the engine when the request gave none)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # prefill progress (ARCHITECTURE.md §5)
+    num_prefilled_tokens: int = 0  # frontier: prompt positions that entered prefill
+    prefill_reclaimable_tokens: int = 0  # start of the oldest resident chunk
+    pieces: list[PrefillPiece] = field(default_factory=list)  # resident pieces, oldest first
+    # decode progress
+    decode: DecodeToken | None = None  # the token currently looping
+    ready_loops: int | None = None  # a state awaits the coda; it came from this many loops
+    output_token_ids: list[int] = field(default_factory=list)
+    output_exit_depths: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefill_reclaimable_tokens < len(self.prompt_token_ids)
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the request may write: the prompt and every fed-back output token."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens - 1
+
+    @property
+    def is_last_sample(self) -> bool:
+        """The next sampled token reaches max_tokens (it is never fed back)."""
+        return len(self.output_token_ids) + 1 >= self.sampling_params.max_tokens

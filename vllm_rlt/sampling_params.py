@@ -1,0 +1,149 @@
+"""Per-request sampling and looping options (frozen, validated on construction).
+
+Names and defaults follow vLLM's `SamplingParams`. Every bad value raises `ValueError` naming the
+field and the value. The loop bounds are checked against the model's depth later, by the engine,
+through `validate_for_depth`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20  # most top alternatives a request may ask for (vLLM's default max_logprobs)
+GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int(name: str, value: Any) -> int:
+    """`value` as a plain int; bools, floats and strings are rejected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _float(name: str, value: Any) -> float:
+    """`value` as a finite float; ints are accepted, bools, strings and NaN/inf are not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _at_least(name: str, value: Any, low: int) -> int:
+    value = _int(name, value)
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a str or a list of str, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must hold non-empty strings, got {item!r} in {value!r}")
+    return tuple(items)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of int, got {value!r}")
+    ids = tuple(_int("stop_token_ids", item) for item in value)
+    for item in ids:
+        if item < 0:
+            raise ValueError(f"stop_token_ids must hold ids >= 0, got {item} in {value!r}")
+    return ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions to return for the prompt (>= 1)
+    max_tokens: int = 16  # most tokens to generate per completion (>= 1)
+    temperature: float = 1.0  # softmax temperature (>= 0); 0 (below 1e-5) samples greedily
+    top_p: float = 1.0  # nucleus: keep the fewest top tokens whose mass reaches top_p; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off (-1 is accepted and stored as 0)
+    seed: int | None = None  # per-request seed (int64); None = the engine draws one
+    min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
+    max_loops: int | None = None  # most loops a decode token runs; None = the model's depth
+    exit_threshold: float | None = None  # exit when cumulative exit prob >= this; None = config
+    ignore_eos: bool = False  # keep generating after the EOS token
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (a list is ok)
+    stop: tuple[str, ...] = ()  # strings that end generation, not included in the output
+    logprobs: int | None = None  # top alternatives returned per token besides the sampled one
+
+    def __post_init__(self) -> None:
+        fix = self._fix
+        fix("n", _at_least("n", self.n, 1))
+        fix("max_tokens", _at_least("max_tokens", self.max_tokens, 1))
+
+        temperature = _float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        fix("temperature", temperature)
+
+        top_p = _float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        fix("top_p", top_p)
+
+        top_k = _int("top_k", self.top_k)
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {top_k}")
+        fix("top_k", max(top_k, 0))
+
+        if self.seed is not None:
+            seed = _int("seed", self.seed)
+            if not _INT64_MIN <= seed <= _INT64_MAX:
+                raise ValueError(f"seed must fit in int64 [-2**63, 2**63 - 1], got {seed}")
+            fix("seed", seed)
+
+        for name in ("min_loops", "max_loops"):
+            if getattr(self, name) is not None:
+                fix(name, _at_least(name, getattr(self, name), 1))
+        bounded = self.min_loops is not None and self.max_loops is not None
+        if bounded and self.min_loops > self.max_loops:
+            raise ValueError(
+                f"min_loops must be <= max_loops, got min_loops={self.min_loops} "
+                f"and max_loops={self.max_loops}"
+            )
+
+        if self.exit_threshold is not None:
+            threshold = _float("exit_threshold", self.exit_threshold)
+            if not 0 <= threshold <= 1:
+                raise ValueError(f"exit_threshold must be in [0, 1], got {threshold}")
+            fix("exit_threshold", threshold)
+
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        fix("stop_token_ids", _token_ids(self.stop_token_ids))
+        fix("stop", _stop_strings(self.stop))
+
+        if self.logprobs is not None:
+            logprobs = _int("logprobs", self.logprobs)
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+            fix("logprobs", logprobs)
+
+    def _fix(self, name: str, value: Any) -> None:
+        """Store a normalised value on the frozen instance (only from __post_init__)."""
+        object.__setattr__(self, name, value)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0, or below 1e-5, or top_k == 1)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def validate_for_depth(self, num_loops: int) -> None:
+        """Check the loop bounds against the model's depth D = `num_loops`: each in [1, D]."""
+        for name in ("min_loops", "max_loops"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= num_loops:
+                raise ValueError(
+                    f"{name} must be in [1, {num_loops}] (the model's depth), got {value}"
+                )

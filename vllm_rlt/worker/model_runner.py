@@ -1,0 +1,184 @@
+"""The model runner: the only owner of device tensors (weights, KV, hidden states).
+
+It mirrors what it needs of each request from the plans (prompt, block tables, sampling
+settings, hidden-state slot) and never reads the scheduler's `Request`. A step applies the
+skipped-depth KV copies, samples the requests the plan names (coda of their state), then runs
+`loop_count` recurrent-core invocations, each one gathered call over all live rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_rlt.attention.metadata import build_attention_metadata
+from vllm_rlt.core.sched.execution_batch import (
+    ExecutionBatch,
+    NewRequestData,
+    RowKind,
+    RunnerOutput,
+    SampledToken,
+)
+from vllm_rlt.worker.hidden_state import HiddenStateStore
+from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.sampler import SamplingTensors, sample
+
+
+@dataclass
+class _Mirror:
+    data: NewRequestData
+    slot: int
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    num_sampled: int = 0
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: DeviceKVCache,
+        num_planes: int,
+        max_num_seqs: int,
+        max_ring_rows: int,
+    ):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.num_planes = num_planes
+        self.num_loops = model.num_loops
+        self.device = kv_cache.kv.device
+        weight = model.lm_head.weight
+        self.states = HiddenStateStore(
+            max_num_seqs, max_ring_rows, model.config.hidden_size, weight.dtype, self.device
+        )
+        self.reqs: dict[str, _Mirror] = {}
+
+    @torch.inference_mode()
+    def execute(self, batch: ExecutionBatch) -> RunnerOutput:
+        self._sync_mirrors(batch)
+        if batch.kv_copies:
+            pairs = torch.tensor(batch.kv_copies, device=self.device)
+            self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
+        sampled_ids, sampled = self._sample(batch.sample_req_ids)
+        first_gates = None
+        for i in range(batch.loop_count):
+            gates = self._invoke(batch, i, sampled_ids)
+            if gates is None:
+                break
+            first_gates = gates if i == 0 else first_gates
+        # decode rows exist only in one-loop batches; their gates come from invocation 0
+        starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
+        decode_rows = [starts[j] for j, t in enumerate(batch.requests) if t.kind is RowKind.DECODE]
+        decode_gates = first_gates[decode_rows].tolist() if decode_rows else []
+        return RunnerOutput(sampled=sampled(), decode_gate_logits=tuple(decode_gates))
+
+    def _sync_mirrors(self, batch: ExecutionBatch) -> None:
+        for req_id in batch.finished_req_ids:
+            mirror = self.reqs.pop(req_id, None)
+            if mirror is not None:
+                self.states.release(mirror.slot)
+        for data in batch.new_requests:
+            slot = self.states.allocate(data.ring_slots * data.chunk_size)
+            self.reqs[data.request_id] = _Mirror(data, slot)
+        for req_id, tables in batch.block_tables:
+            self.reqs[req_id].block_tables = tables
+
+    def _sample(self, req_ids: tuple[str, ...]):
+        """Coda + sampling for `req_ids`; returns the sampled ids (device, by request) and a
+        callable that converts them to host results (the step's one read-back)."""
+        if not req_ids:
+            return {}, dict
+        mirrors = [self.reqs[r] for r in req_ids]
+        rows = torch.tensor([self.states.decode_row(m.slot) for m in mirrors], device=self.device)
+        logits = self.model.coda(self.states.buffer[rows])
+        params = [m.data for m in mirrors]
+        tensors = SamplingTensors.build(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            seeds=[p.seed for p in params],
+            counters=[m.num_sampled for m in mirrors],
+            num_logprobs=max(p.num_logprobs for p in params),
+            device=self.device,
+        )
+        out = sample(logits, tensors)
+        for m in mirrors:
+            m.num_sampled += 1
+        by_req = {r: i for i, r in enumerate(req_ids)}
+
+        def to_host() -> dict[str, SampledToken]:
+            ids = out.token_ids.tolist()
+            lps = out.logprobs.tolist() if out.logprobs is not None else None
+            lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
+            result = {}
+            for r, i in by_req.items():
+                want = self.reqs[r].data.num_logprobs if r in self.reqs else -1
+                if lps is None or want < 0:
+                    result[r] = SampledToken(ids[i], None, ())
+                else:
+                    top = tuple(zip(lp_ids[i][1 : 1 + want], lps[i][1 : 1 + want], strict=True))
+                    result[r] = SampledToken(ids[i], lps[i][0], top)
+            return result
+
+        return {r: out.token_ids[i] for r, i in by_req.items()}, to_host
+
+    def _invoke(self, batch: ExecutionBatch, i: int, sampled_ids) -> torch.Tensor | None:
+        """Invocation `i` of the batch over its live rows (rows in plan order); returns their
+        gate logits [R] fp32, or None when no row is live."""
+        live = batch.live(i, self.num_loops)
+        if not live:
+            return None
+        starts, counts, tables, rows = [], [], [], []
+        prompt_rows, prompt_tokens = [], []  # prefill rows entering through the prelude
+        decode_rows, decode_reqs = [], []  # decode rows fed with this step's sampled token
+        done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
+        row = 0
+        for t in live:
+            m = self.reqs[t.request_id]
+            depth = t.depth + i
+            starts.append(t.token_start)
+            counts.append(t.num_tokens)
+            tables.append(m.block_tables[depth if self.num_planes > 1 else 0])
+            if t.kind is RowKind.DECODE:
+                rows.append(np.array([self.states.decode_row(m.slot)]))
+                if depth == 0:
+                    decode_rows.append(row)
+                    decode_reqs.append(t.request_id)
+            else:
+                rows.append(
+                    self.states.ring_row(m.slot, self._offset(t, m)) + np.arange(t.num_tokens)
+                )
+                end = t.token_start + t.num_tokens
+                if depth == 0:
+                    prompt_rows.extend(range(row, row + t.num_tokens))
+                    prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
+                if depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
+                    done_src.append(row + t.num_tokens - 1)
+                    done_dst.append(self.states.decode_row(m.slot))
+            row += t.num_tokens
+        meta = build_attention_metadata(
+            starts, counts, tables, self.kv_cache.block_size, self.device
+        )
+        index = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        hidden = self.states.buffer[index]
+        if prompt_rows or decode_rows:
+            tokens = torch.tensor(prompt_tokens, dtype=torch.long, device=self.device)
+            if decode_reqs:
+                tokens = torch.cat([tokens, torch.stack([sampled_ids[r] for r in decode_reqs])])
+            entry = torch.tensor(prompt_rows + decode_rows, device=self.device)
+            hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
+        out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
+        self.states.buffer[index] = out
+        if done_src:
+            src = torch.tensor(done_src, device=self.device)
+            self.states.buffer[torch.tensor(done_dst, device=self.device)] = out[src]
+        return gate
+
+    @staticmethod
+    def _offset(task, mirror: _Mirror) -> int:
+        """The task's ring row offset; derived on the chunk grid when the plan leaves it None."""
+        if task.prefill_hidden_row_offset is not None:
+            return task.prefill_hidden_row_offset
+        c, slots = mirror.data.chunk_size, mirror.data.ring_slots
+        return (task.token_start // c) % slots * c + task.token_start % c

@@ -1,0 +1,149 @@
+"""Token sampling over a batch of logit rows, vectorised and independent of batch composition.
+
+Greedy rows take the argmax (ties -> lowest id). Random rows apply temperature, then top-k, then
+top-p, and sample with the Gumbel-max trick: the noise for (row, vocab id v) is a counter-based
+hash of (seed, counter, v), so a request's token depends only on its seed, its output-token index
+and its logits - never on the other rows of the batch or their order. Logprobs come from the raw
+logits (fp32 log_softmax before temperature/top-k/top-p), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS
+
+_MASK31 = (1 << 31) - 1
+# Odd 31-bit multipliers: a 31-bit state times one stays below 2**62, inside int64.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x5BD1E995
+_SALT = 0x2545F491  # starting state, so seed 0 / counter 0 do not start from zero
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    temperature: torch.Tensor  # [N] float32; below 1e-5 (0) = greedy
+    top_k: torch.Tensor  # [N] int64; 0 = off
+    top_p: torch.Tensor  # [N] float32; 1.0 = off
+    seeds: torch.Tensor  # [N] int64 per-request seed (the engine draws one for unseeded requests)
+    counters: torch.Tensor  # [N] int64 index of the output token being sampled (0-based)
+    num_logprobs: int  # most top alternatives asked for in the batch; -1 = no logprobs at all
+    all_greedy: bool = False  # host-known: every row is greedy, so skip the random path
+    any_top_k_top_p: bool = True  # host-known: some row uses top-k or top-p, so sort the rows
+
+    @classmethod
+    def build(
+        cls,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        seeds: list[int],
+        counters: list[int],
+        num_logprobs: int,
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        """One tensor per field from per-row lists (row i of every list is row i of the logits).
+
+        The tensors are made on the host first, so the shortcut flags cost no device sync.
+        """
+        temperature_t = torch.tensor(temperature, dtype=torch.float32)
+        top_k_t = torch.tensor(top_k, dtype=torch.int64)
+        top_p_t = torch.tensor(top_p, dtype=torch.float32)
+        greedy = (temperature_t < GREEDY_TEMPERATURE_EPS) | (top_k_t == 1)
+        return cls(
+            temperature=temperature_t.to(device),
+            top_k=top_k_t.to(device),
+            top_p=top_p_t.to(device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            counters=torch.tensor(counters, dtype=torch.int64, device=device),
+            num_logprobs=num_logprobs,
+            all_greedy=bool(greedy.all()),
+            any_top_k_top_p=bool((((top_k_t > 0) | (top_p_t < 1.0)) & ~greedy).any()),
+        )
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64 sampled tokens
+    logprobs: torch.Tensor | None  # [N, 1 + num_logprobs] float32: sampled, then top descending
+    logprob_token_ids: torch.Tensor | None  # [N, 1 + num_logprobs] int64 ids matching `logprobs`
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+    """Sample one token per row of `logits` [N, V] (any float dtype, CPU or CUDA)."""
+    greedy_ids = logits.argmax(dim=-1)
+    if t.all_greedy:
+        token_ids = greedy_ids
+    else:
+        is_greedy = (t.temperature < GREEDY_TEMPERATURE_EPS) | (t.top_k == 1)
+        token_ids = torch.where(is_greedy, greedy_ids, _sample_random(logits, t, is_greedy))
+    if t.num_logprobs < 0:
+        return SamplerOutput(token_ids, None, None)
+    logprobs, logprob_token_ids = _logprobs(logits, token_ids, t.num_logprobs)
+    return SamplerOutput(token_ids, logprobs, logprob_token_ids)
+
+
+def _sample_random(logits: torch.Tensor, t: SamplingTensors, is_greedy: torch.Tensor):
+    """Temperature, top-k, top-p, then Gumbel-max; rows in `is_greedy` get a throwaway value."""
+    temperature = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
+    scaled = logits.float() / temperature[:, None]
+    if t.any_top_k_top_p:
+        scaled = scaled.masked_fill(scaled < _cutoff(scaled, t.top_k, t.top_p), float("-inf"))
+    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
+    return (scaled + gumbel_noise(t.seeds, t.counters, vocab_ids)).argmax(dim=-1)
+
+
+def _cutoff(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, 1] smallest kept value: top-k, then top-p over the renormalised top-k survivors.
+
+    Tokens tied with the cutoff are kept too, so the kept set does not depend on sort order.
+    """
+    sorted_vals = scaled.sort(dim=-1, descending=True).values
+    positions = torch.arange(scaled.shape[-1], device=scaled.device)
+    keep = (top_k[:, None] <= 0) | (positions[None, :] < top_k[:, None])
+    probs = sorted_vals.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the better tokens (exclusive cumsum)
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    num_kept = keep.sum(dim=-1, keepdim=True).clamp_(min=1)  # keep is a prefix of the sort
+    return sorted_vals.gather(-1, num_kept - 1)
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_ids: torch.Tensor):
+    """[N, V] float32 standard Gumbel noise, a pure function of (seeds[i], counters[i], v).
+
+    seeds, counters: [N] int64; vocab_ids: [V] int64 (>= 0, < 2**31).
+    """
+    key = torch.full_like(seeds, _SALT)
+    for value in (seeds, counters):  # absorb both 64-bit values, 31 + 31 + 2 bits at a time
+        for shift in (0, 31, 62):
+            key = _mix(key ^ ((value >> shift) & _MASK31))
+    # Two keys, so rows whose first keys differ only in low bits still get unrelated noise.
+    key2 = _mix(key ^ _SALT)
+    bits = _mix(_mix(key[:, None] ^ vocab_ids[None, :]) ^ key2[:, None])  # bijective in v
+    # Uniform w in (0, 1): fp32 keeps full relative precision near 0, where the winning (small)
+    # exponentials come from; the clamp keeps w below 1 after rounding.
+    w = ((bits.float() + 0.5) * 2.0**-31).clamp_(max=1.0 - 2.0**-24)
+    return -torch.log(-torch.log1p(-w))  # -log(Exp(1)) is Gumbel(0, 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """Bijective avalanche mix of 31-bit int64 values (multiply mod 2**31 and xor-shift rounds)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK31
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK31
+    return x ^ (x >> 16)
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int):
+    """Raw-logit logprobs: column 0 the sampled token, then the top `num_logprobs` descending."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    ids = token_ids[:, None]
+    values = logprobs.gather(-1, ids)
+    if num_logprobs > 0:
+        top_values, top_ids = logprobs.topk(num_logprobs, dim=-1)
+        values = torch.cat([values, top_values], dim=-1)
+        ids = torch.cat([ids, top_ids], dim=-1)
+    return values, ids
