@@ -80,6 +80,10 @@ class SchedulerConfig:
         default="mixed",
     )
     queue_policy: str = _help("fcfs or priority (lower value first, then arrival)", default="fcfs")
+    wavefront_chunked_prefill: bool = _help(
+        "WCPB: batch ready (prompt chunk, depth) tasks of all requests into each invocation",
+        default=False,
+    )
     max_prefill_stall_loops: int | None = _help(
         "latency rule: with admissible requests waiting, a prefill-only batch runs at most this "
         "many loops before the scheduler decides again (default: no limit)",
@@ -136,6 +140,21 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.wavefront_chunked_prefill and self.cache.kv_layout == "shared":
+            raise ValueError(
+                "wavefront_chunked_prefill=True cannot run with kv_layout='shared': the shared "
+                "layout needs atomic position-wave prefill; use kv_layout='last_exited'"
+            )
+
+    def check_model(self, model_name: str, requires_atomic_prefill: bool) -> None:
+        """Capability check against the loaded model class."""
+        if requires_atomic_prefill and self.scheduler.wavefront_chunked_prefill:
+            raise ValueError(
+                f"wavefront_chunked_prefill=True cannot run with {model_name}, which requires "
+                "atomic prefill; turn wavefront_chunked_prefill off"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -200,11 +200,13 @@ def test_stats_count_rows_and_loops(model_dir):
     rng = random.Random(0)
     jobs = [Job(f"r{i}", rng.choices(range(256), k=9), GREEDY) for i in range(3)]
     run_batched(eng, jobs)
-    s = eng.stats
-    assert s.generated_tokens == 18
-    assert 1 <= s.loops_per_token <= 4
-    assert s.prefill_rows == 3 * 9 * 4  # every prompt position at every depth
-    assert s.rows_per_invocation > 1
+    s = eng.stats.as_dict()
+    assert s["generated_tokens"] == 18
+    assert 1 <= s["loops_per_token"] <= 4
+    assert s["prefill_rows"] == 3 * 9 * 4  # every prompt position at every depth
+    assert s["rows_per_invocation"] > 1 and s["tasks_per_invocation"] >= 1
+    depth_rows = [s[f"rows_at_depth_{d}"] for d in range(4)]
+    assert sum(depth_rows) == s["rows"] and depth_rows[0] >= depth_rows[3]
 
 
 def _finish(eng):

@@ -23,25 +23,58 @@ def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=5)
 
 
-def engine(model_dir, **kw) -> LLMEngine:
+# fp32 everywhere: CPU with the torch backend (all cases), CPU with the Triton kernel under the
+# interpreter (a subset), and the GPU with both backends (--run-gpu).
+TARGETS = [
+    ("cpu", "torch"),
+    pytest.param("cuda", "torch", marks=pytest.mark.gpu),
+    pytest.param("cuda", "triton", marks=pytest.mark.gpu),
+]
+SUBSET = [("cpu", "triton"), *TARGETS[1:]]
+
+
+def engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 2048)
     kw.setdefault("block_size", 4)
-    return LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), device="cpu", **kw))
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir), device=device, attention_backend=backend, dtype="float32", **kw
+    )
+    return LLMEngine(config)
 
 
-@pytest.fixture(scope="module")
-def serial_baseline(model_dir):
-    jobs = random_jobs(random.Random(0), 10, vocab=256, depth=4)
-    return jobs, run_serial(engine(model_dir, max_num_seqs=1), jobs)
+_SERIAL: dict = {}
 
 
+def serial_baseline(model_dir, device, backend):
+    if (device, backend) not in _SERIAL:
+        jobs = random_jobs(random.Random(0), 10, vocab=256, depth=4)
+        _SERIAL[device, backend] = (
+            jobs,
+            run_serial(engine(model_dir, device, backend, max_num_seqs=1), jobs),
+        )
+    return _SERIAL[device, backend]
+
+
+@pytest.mark.parametrize("device,backend", TARGETS)
 @pytest.mark.parametrize("mode", ["refill", "no_refill", "mixed"])
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 32])
-def test_batched_equals_serial(model_dir, serial_baseline, mode, chunk):
-    jobs, want = serial_baseline
+def test_batched_equals_serial(model_dir, device, backend, mode, chunk):
+    _check_batched_equals_serial(model_dir, device, backend, mode, chunk)
+
+
+@pytest.mark.parametrize("device,backend", SUBSET[:1])
+@pytest.mark.parametrize("mode,chunk", [("mixed", 3), ("refill", 7)])
+def test_batched_equals_serial_triton_interpreter(model_dir, device, backend, mode, chunk):
+    _check_batched_equals_serial(model_dir, device, backend, mode, chunk)
+
+
+def _check_batched_equals_serial(model_dir, device, backend, mode, chunk):
+    jobs, want = serial_baseline(model_dir, device, backend)
     rng = random.Random(chunk * 7 + len(mode))
     eng = engine(
         model_dir,
+        device,
+        backend,
         scheduling_mode=mode,
         prefill_chunk_size=chunk,
         max_num_batched_tokens=rng.choice([chunk, 5, 9, 16]),
@@ -77,10 +110,13 @@ def reference_greedy(model, prompt, max_tokens, threshold, layout, min_loops=1):
     return tuple(tokens), tuple(depths)
 
 
+@pytest.mark.parametrize("device,backend", [*TARGETS, SUBSET[0]])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 @pytest.mark.parametrize("threshold", [1.0, 0.5])
-def test_greedy_equals_dense_reference_loop(model_dir, layout, threshold):
-    eng = engine(model_dir, kv_layout=layout, prefill_chunk_size=5, max_num_batched_tokens=8)
+def test_greedy_equals_dense_reference_loop(model_dir, device, backend, layout, threshold):
+    eng = engine(
+        model_dir, device, backend, kv_layout=layout, prefill_chunk_size=5, max_num_batched_tokens=8
+    )
     prompt = random.Random(1).choices(range(256), k=13)
     params = SamplingParams(max_tokens=10, temperature=0, exit_threshold=threshold, ignore_eos=True)
     got = run_batched(eng, [_job("a", prompt, params)])["a"]
@@ -90,10 +126,13 @@ def test_greedy_equals_dense_reference_loop(model_dir, layout, threshold):
         assert len(set(got[1])) > 1, "early exit never varied the depth: the test is too weak"
 
 
-def test_shared_batched_equals_serial(model_dir):
+@pytest.mark.parametrize("device,backend", TARGETS)
+def test_shared_batched_equals_serial(model_dir, device, backend):
     jobs = random_jobs(random.Random(3), 6, vocab=256, depth=4, max_prompt=12)
-    want = run_serial(engine(model_dir, kv_layout="shared", max_num_seqs=1), jobs)
-    eng = engine(model_dir, kv_layout="shared", max_num_seqs=4, max_num_batched_tokens=6)
+    want = run_serial(engine(model_dir, device, backend, kv_layout="shared", max_num_seqs=1), jobs)
+    eng = engine(
+        model_dir, device, backend, kv_layout="shared", max_num_seqs=4, max_num_batched_tokens=6
+    )
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "shared") <= 1
     assert kv_all_free(eng)

@@ -17,7 +17,8 @@ from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
-from vllm_rlt.models.loader import load_model
+from vllm_rlt.models import registry
+from vllm_rlt.models.loader import load_model, read_config
 from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
@@ -30,8 +31,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
+        model_dir = mc.model or default_model_dir()
+        _, model_cls = registry.resolve(read_config(model_dir).model_type)
+        config.check_model(model_cls.__name__, model_cls.requires_atomic_prefill)  # before loading
         loaded = load_model(
-            mc.model or default_model_dir(),
+            model_dir,
             dtype=mc.dtype,
             device=mc.device,
             load_format=mc.load_format,

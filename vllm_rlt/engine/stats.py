@@ -1,10 +1,22 @@
-"""Engine counters: invocations, rows per invocation, loops per generated token."""
+"""Engine counters (invocations, rows, tasks, depth mix, loops per token) and an optional trace
+of which tasks ran in which invocation (for the wavefront picture)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch, RowKind
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    invocation: int  # global invocation index
+    request_id: str
+    kind: str  # "prefill" or "decode"
+    token_start: int
+    num_tokens: int
+    depth: int  # depth the rows ran in this invocation
 
 
 @dataclass
@@ -12,10 +24,13 @@ class EngineStats:
     steps: int = 0
     invocations: int = 0  # recurrent-core calls
     rows: int = 0  # rows over all invocations
+    tasks: int = 0  # tasks (row ranges of one request at one depth) over all invocations
     prefill_rows: int = 0
     prefill_invocations: int = 0  # invocations that carried at least one prefill row
     generated_tokens: int = 0
     generated_loops: int = 0  # sum of the exit depths of generated tokens
+    depth_rows: Counter = field(default_factory=Counter)  # depth -> rows run at that depth
+    trace: list[TraceRecord] | None = None  # set to [] to record every task
 
     def record_batch(self, batch: ExecutionBatch, num_loops: int) -> None:
         self.steps += 1
@@ -24,7 +39,17 @@ class EngineStats:
             if not live:
                 break
             prefill = sum(t.num_tokens for t in live if t.kind is RowKind.PREFILL)
+            for t in live:
+                self.depth_rows[t.depth + i] += t.num_tokens
+                if self.trace is not None:
+                    self.trace.append(
+                        TraceRecord(
+                            self.invocations, t.request_id, t.kind.value, t.token_start,
+                            t.num_tokens, t.depth + i,
+                        )
+                    )
             self.invocations += 1
+            self.tasks += len(live)
             self.rows += sum(t.num_tokens for t in live)
             self.prefill_rows += prefill
             self.prefill_invocations += prefill > 0
@@ -33,22 +58,16 @@ class EngineStats:
         self.generated_tokens += 1
         self.generated_loops += exit_depth
 
-    @property
-    def rows_per_invocation(self) -> float:
-        return self.rows / self.invocations if self.invocations else 0.0
-
-    @property
-    def prefill_rows_per_prefill_invocation(self) -> float:
-        return self.prefill_rows / self.prefill_invocations if self.prefill_invocations else 0.0
-
-    @property
-    def loops_per_token(self) -> float:
-        return self.generated_loops / self.generated_tokens if self.generated_tokens else 0.0
-
     def as_dict(self) -> dict[str, float]:
+        def ratio(a: float, b: float) -> float:
+            return a / b if b else 0.0
+
+        counters = {k: v for k, v in self.__dict__.items() if isinstance(v, int)}
         return {
-            **self.__dict__,
-            "rows_per_invocation": self.rows_per_invocation,
-            "prefill_rows_per_prefill_invocation": self.prefill_rows_per_prefill_invocation,
-            "loops_per_token": self.loops_per_token,
+            **counters,
+            "rows_per_invocation": ratio(self.rows, self.invocations),
+            "tasks_per_invocation": ratio(self.tasks, self.invocations),
+            "prefill_rows_per_prefill_invocation": ratio(self.prefill_rows, self.prefill_invocations),
+            "loops_per_token": ratio(self.generated_loops, self.generated_tokens),
+            **{f"rows_at_depth_{d}": n for d, n in sorted(self.depth_rows.items())},
         }

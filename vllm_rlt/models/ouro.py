@@ -164,6 +164,9 @@ class OuroModel(nn.Module):
 class OuroForCausalLM(nn.Module):
     """Ouro over packed rows; the KV cache and the hidden-state buffers live outside."""
 
+    # capabilities the engine checks at startup
+    requires_atomic_prefill = False  # Ouro's prefill may split between depths (split, WCPB)
+
     def __init__(self, config: OuroConfig, attention_backend: str | AttentionBackend = "torch"):
         super().__init__()
         backend = (

@@ -3,12 +3,21 @@
 A chunk is `chunk_size` prompt positions on a grid from position 0; a piece is the rows of a chunk
 that entered depth 0 together (the token budget may cut only that entry); a task is one piece
 at one depth. A request holds at most `ring_slots` chunks in its prefill hidden-state ring: a new
-chunk enters only when its slot (chunk index % ring_slots) is free, i.e. once the oldest resident
-chunk has finished its final depth. With one slot this is split/atomic chunked prefill.
+chunk enters only when its slot (chunk index % ring_slots) is free, i.e. once the chunk that held
+it has finished its final depth.
 
-Readiness (the only dependency rule): a piece may run depth d once every earlier prompt position
-has written plane d - by an earlier invocation, or by a task scheduled into the same invocation
+Readiness (the one dependency rule): a piece may run depth d once every earlier prompt position
+has written plane d - in an earlier invocation, or by a task scheduled into the same invocation
 (each layer writes the invocation's K/V before attending).
+
+Two strategies share that machinery and differ in ring size and task order:
+- `SplitPlanner` (one ring slot): requests in queue order, each one's resident pieces oldest
+  first, then its new positions. With no reason to yield the scheduler runs the batch through
+  all remaining depths (atomic), else one depth per step (split).
+- `WavefrontPlanner` (ring of D slots, WCPB): ready tasks of all requests, deepest first (a
+  deeper task finishes a chunk sooner, which frees a ring slot and brings the first token
+  closer), ties by queue order then position; new positions enter depth 0 last, in queue order.
+  Regrouping happens at every depth boundary, so its batches run one loop.
 """
 
 from __future__ import annotations
@@ -16,39 +25,56 @@ from __future__ import annotations
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
 from vllm_rlt.request import PrefillPiece, Request
 
+_ENTRY = None  # marks a request's depth-0 entry of new positions among the candidates
 
-class ChunkedPrefillPlanner:
-    def __init__(self, chunk_size: int, num_loops: int, ring_slots: int = 1):
+
+class _ChunkedPlanner:
+    ring_slots: int
+    single_loop: bool  # batches with prefill tasks from this planner run one loop
+
+    def __init__(self, chunk_size: int, num_loops: int):
         self.chunk_size = chunk_size
         self.num_loops = num_loops
-        self.ring_slots = ring_slots
+
+    def _order(self, req_index: int, piece: PrefillPiece | None) -> tuple:
+        raise NotImplementedError
 
     def row_offset(self, token_start: int) -> int:
         """Row of `token_start` in its request's ring: slot * chunk_size + offset in the chunk."""
         c = self.chunk_size
         return (token_start // c) % self.ring_slots * c + token_start % c
 
-    def plan_request(self, req: Request, budget: int) -> list[ScheduledRequest]:
-        """Ready tasks of one request that fit `budget` rows, oldest piece first; new positions
-        enter depth 0 last (they may be cut to the remaining budget). Records new pieces."""
+    def resident_chunks(self, req: Request) -> int:
+        """Chunks of `req` in its ring (entered and not yet finished)."""
+        c = self.chunk_size
+        first = req.prefill_reclaimable_tokens // c
+        return -(-req.num_prefilled_tokens // c) - first if req.in_prefill else 0
+
+    def plan(self, requests: list[Request], budget: int) -> list[ScheduledRequest]:
+        """Ready tasks under `budget` rows for one invocation; records new pieces."""
+        candidates = []
+        for i, req in enumerate(requests):
+            candidates += [
+                (self._order(i, p), req, p) for p in req.pieces if p.depth < self.num_loops
+            ]
+            candidates.append((self._order(i, _ENTRY), req, _ENTRY))
+        candidates.sort(key=lambda c: c[0])
         tasks: list[ScheduledRequest] = []
-        scheduled: set[int] = set()  # token_start of pieces scheduled now
-        for i, piece in enumerate(req.pieces):
-            if piece.depth >= self.num_loops or piece.num_tokens > budget:
+        scheduled: dict[str, set[int]] = {r.request_id: set() for r in requests}
+        for _, req, piece in candidates:
+            if budget <= 0:
+                break
+            own = scheduled[req.request_id]
+            if piece is _ENTRY:
+                new = self._enter(req, budget, own)
+            elif piece.num_tokens <= budget and self._ready(req, piece, own):
+                new = [piece]
+            else:
                 continue
-            if self._ready(req.pieces[:i], piece.depth, scheduled):
-                tasks.append(self._task(req, piece))
-                scheduled.add(piece.token_start)
-                budget -= piece.num_tokens
-        while budget > 0 and self._can_enter(req) and self._ready(req.pieces, 0, scheduled):
-            start = req.num_prefilled_tokens
-            chunk_end = min((start // self.chunk_size + 1) * self.chunk_size, req.num_prompt_tokens)
-            piece = PrefillPiece(start, min(budget, chunk_end - start), 0)
-            req.pieces.append(piece)
-            req.num_prefilled_tokens += piece.num_tokens
-            tasks.append(self._task(req, piece))
-            scheduled.add(piece.token_start)
-            budget -= piece.num_tokens
+            for p in new:
+                tasks.append(self._task(req, p))
+                own.add(p.token_start)
+                budget -= p.num_tokens
         return tasks
 
     def atomic_loops(self, req: Request, tasks: list[ScheduledRequest], loops: int) -> bool:
@@ -65,13 +91,13 @@ class ChunkedPrefillPlanner:
         return True
 
     def advance(self, req: Request, tasks: list[ScheduledRequest], loops: int) -> bool:
-        """Apply `loops` invocations to `req`'s tasks, free finished chunks; True once the whole
-        prompt has run every depth."""
+        """Apply `loops` invocations to `req`'s tasks, free finished chunks (in order); True once
+        the whole prompt has run every depth."""
         by_start = {p.token_start: p for p in req.pieces}
         for task in tasks:
             piece = by_start[task.token_start]
             piece.depth = min(self.num_loops, piece.depth + loops)
-        while req.pieces and req.prefill_reclaimable_tokens < req.num_prompt_tokens:
+        while req.pieces and req.in_prefill:
             start = req.prefill_reclaimable_tokens
             end = min(start + self.chunk_size, req.num_prompt_tokens)
             chunk = [p for p in req.pieces if p.token_start < end]
@@ -81,6 +107,20 @@ class ChunkedPrefillPlanner:
             req.prefill_reclaimable_tokens = end
         return not req.in_prefill
 
+    def _enter(self, req: Request, budget: int, scheduled: set[int]) -> list[PrefillPiece]:
+        """New pieces at depth 0 while rows, ring slots and readiness allow (cut by budget)."""
+        new = []
+        while budget > 0 and self._can_enter(req) and self._ready(req, None, scheduled):
+            start = req.num_prefilled_tokens
+            chunk_end = min((start // self.chunk_size + 1) * self.chunk_size, req.num_prompt_tokens)
+            piece = PrefillPiece(start, min(budget, chunk_end - start), 0)
+            req.pieces.append(piece)
+            req.num_prefilled_tokens += piece.num_tokens
+            scheduled.add(start)
+            budget -= piece.num_tokens
+            new.append(piece)
+        return new
+
     def _can_enter(self, req: Request) -> bool:
         start = req.num_prefilled_tokens
         if start >= req.num_prompt_tokens:
@@ -89,10 +129,16 @@ class ChunkedPrefillPlanner:
         return start // self.chunk_size - oldest < self.ring_slots
 
     @staticmethod
-    def _ready(earlier: list[PrefillPiece], depth: int, scheduled: set[int]) -> bool:
-        return all(
-            p.depth > depth or (p.depth == depth and p.token_start in scheduled) for p in earlier
-        )
+    def _ready(req: Request, piece: PrefillPiece | None, scheduled: set[int]) -> bool:
+        """Every position before `piece` (None: before the prefill frontier) has written the
+        plane `piece` runs in, or is scheduled to write it in this invocation."""
+        depth = 0 if piece is None else piece.depth
+        for p in req.pieces:
+            if piece is not None and p.token_start >= piece.token_start:
+                break
+            if not (p.depth > depth or (p.depth == depth and p.token_start in scheduled)):
+                return False
+        return True
 
     def _task(self, req: Request, piece: PrefillPiece) -> ScheduledRequest:
         return ScheduledRequest(
@@ -103,3 +149,24 @@ class ChunkedPrefillPlanner:
             depth=piece.depth,
             prefill_hidden_row_offset=self.row_offset(piece.token_start),
         )
+
+
+class SplitPlanner(_ChunkedPlanner):
+    ring_slots = 1
+    single_loop = False
+
+    def _order(self, req_index: int, piece: PrefillPiece | None) -> tuple:
+        return (req_index, piece is _ENTRY, 0 if piece is _ENTRY else piece.token_start)
+
+
+class WavefrontPlanner(_ChunkedPlanner):
+    single_loop = True
+
+    def __init__(self, chunk_size: int, num_loops: int):
+        super().__init__(chunk_size, num_loops)
+        self.ring_slots = num_loops
+
+    def _order(self, req_index: int, piece: PrefillPiece | None) -> tuple:
+        if piece is _ENTRY:
+            return (1, 0, req_index, 0)
+        return (0, -piece.depth, req_index, piece.token_start)

@@ -10,7 +10,8 @@ Invariant of `schedule()`: every row of the plan's first invocation counts again
   R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
       (its planes must be written first): one loop;
   R4. latency rule `max_prefill_stall_loops`: a prefill-only batch runs at most that many loops,
-      so new arrivals are admitted within that many loops.
+      so new arrivals are admitted within that many loops;
+  R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
 Merely having waiting requests does not split a batch.
 """
 
@@ -26,7 +27,7 @@ from vllm_rlt.core.sched.execution_batch import (
     ScheduledRequest,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
-from vllm_rlt.core.sched.prefill_planner import ChunkedPrefillPlanner
+from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner
 from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
 
@@ -45,7 +46,8 @@ class Scheduler:
         self.num_loops = num_loops
         # SHARED KV needs position waves: a position finishes every depth before the next one
         chunk = 1 if kv_manager.layout is KVLayout.SHARED else config.chunk_size
-        self.planner = ChunkedPrefillPlanner(chunk, num_loops, ring_slots=1)
+        planner = WavefrontPlanner if config.wavefront_chunked_prefill else SplitPlanner
+        self.planner = planner(chunk, num_loops)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -166,18 +168,14 @@ class Scheduler:
         return tasks, samples
 
     def _plan_prefill(self, budget: int) -> list[ScheduledRequest]:
-        tasks: list[ScheduledRequest] = []
-        for req in self.running:
-            if budget <= 0:
-                break
-            if req.in_prefill:
-                own = self.planner.plan_request(req, budget)
-                budget -= sum(t.num_tokens for t in own)
-                tasks += own
-        return tasks
+        if budget <= 0:
+            return []
+        return self.planner.plan([r for r in self.running if r.in_prefill], budget)
 
     def _loop_count(self, decode_tasks, prefill_tasks) -> int:
         if decode_tasks or not prefill_tasks:  # R1
+            return 1
+        if self.planner.single_loop:  # R5: wavefront regroups tasks at every depth boundary
             return 1
         loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4

@@ -1,0 +1,259 @@
+"""Wavefront chunked prefill batching: identical results to split, atomic and serial generation
+over a randomized suite; per-depth prompt states equal the dense reference; the ring bound holds;
+plan rules (one loop, decode first, deepest first, only depth-0 entry cut); startup checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.harness import Job, compare, kv_all_free, run_batched
+from tests.helpers import rel_err
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.core.sched.execution_batch import RowKind
+from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.models.ouro import OuroForCausalLM
+from vllm_rlt.models.reference import DenseOuroReference
+from vllm_rlt.models.tiny import write_tiny_ouro
+from vllm_rlt.sampling_params import SamplingParams
+
+D = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=21)
+
+
+def engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 4096)
+    kw.setdefault("block_size", 4)
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir), device=device, attention_backend=backend, dtype="float32", **kw
+    )
+    return LLMEngine(config)
+
+
+def workload(seed: int):
+    """Random engine settings and jobs: prompts 1-300, chunks 1-64, budgets and max_num_seqs
+    1-8, staggered arrivals, early exit on or off, decode traffic."""
+    rng = random.Random(seed)
+    exits = rng.random() < 0.5
+    jobs = []
+    for i in range(rng.randint(1, 4)):
+        long = rng.random() < 0.15
+        prompt = rng.choices(range(256), k=rng.randint(1, 300 if long else 40))
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 8),
+            temperature=rng.choice([0.0, 0.0, 1.0]),
+            seed=rng.randrange(10**6),
+            exit_threshold=rng.choice([0.3, 0.5, 0.8]) if exits else 1.0,
+            ignore_eos=True,
+        )
+        jobs.append(Job(f"w{i}", prompt, params, rng.randint(0, 8)))
+    settings = {
+        "prefill_chunk_size": rng.randint(1, 64),
+        "max_num_batched_tokens": rng.randint(1, 8),
+        "max_num_seqs": rng.randint(1, 8),
+    }
+    return jobs, settings
+
+
+def invariants(eng: LLMEngine):
+    """Checked after every step: the ring bound and the row budget."""
+    planner = eng.scheduler.planner
+    for req in eng.scheduler.running:
+        assert planner.resident_chunks(req) <= planner.ring_slots
+
+
+def check_modes(model_dir, seed, device="cpu", backend="torch") -> int:
+    jobs, settings = workload(seed)
+    serial_engine = engine(model_dir, device, backend, max_num_seqs=1)
+    want = {}
+    for job in jobs:
+        want.update(run_batched(serial_engine, [Job(job.req_id, job.prompt, job.params)]))
+    near_ties = 0
+    for mode in ("wavefront", "split", "atomic"):
+        eng = engine(
+            model_dir,
+            device,
+            backend,
+            scheduling_mode="refill" if mode == "atomic" else "mixed",
+            wavefront_chunked_prefill=mode == "wavefront",
+            **settings,
+        )
+        got = run_batched(eng, jobs, check=invariants)
+        near_ties += compare(eng, jobs, got, want, "last_exited")
+        assert kv_all_free(eng)
+    return near_ties
+
+
+SUITE = 200
+
+
+@pytest.mark.parametrize("block", range(8))
+def test_randomized_suite_wcpb_equals_split_atomic_serial(model_dir, block):
+    """200 workloads in 8 blocks (so the suite reports progress and parallelises)."""
+    seeds = range(block * SUITE // 8, (block + 1) * SUITE // 8)
+    near_ties = sum(check_modes(model_dir, s) for s in seeds)
+    print(f"block {block}: {len(seeds)} workloads, {near_ties} near-ties")
+    assert near_ties <= 2
+
+
+@pytest.mark.parametrize(
+    "device,backend",
+    [
+        ("cpu", "triton"),
+        pytest.param("cuda", "triton", marks=pytest.mark.gpu),
+        pytest.param("cuda", "torch", marks=pytest.mark.gpu),
+    ],
+)
+def test_suite_subset_on_triton_and_gpu(model_dir, device, backend):
+    seeds = [s for s in range(40) if max(len(j.prompt) for j in workload(s)[0]) <= 40][:4]
+    if device == "cuda":
+        seeds = range(24)
+    assert sum(check_modes(model_dir, s, device, backend) for s in seeds) <= 1
+
+
+class StateRecorder:
+    """Records the output state of every (request, position, depth) row the runner computes."""
+
+    def __init__(self, eng: LLMEngine):
+        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
+        runner, model = eng.runner, eng.runner.model
+        invoke, core = runner._invoke, model.recurrent_core
+
+        def recording_invoke(batch, i, sampled):
+            live = batch.live(i, model.num_loops)
+
+            def recording_core(hidden, meta, kv):
+                out, gate = core(hidden, meta, kv)
+                row = 0
+                for t in live:
+                    for j in range(t.num_tokens):
+                        self.states[(t.request_id, t.token_start + j, t.depth + i)] = out[row + j]
+                    row += t.num_tokens
+                return out, gate
+
+            model.recurrent_core = recording_core
+            try:
+                return invoke(batch, i, sampled)
+            finally:
+                del model.recurrent_core
+
+        runner._invoke = recording_invoke
+
+    def prompt_states(self, req_id: str, length: int) -> torch.Tensor:
+        return torch.stack(
+            [torch.stack([self.states[(req_id, p, d)] for p in range(length)]) for d in range(D)]
+        )
+
+
+@pytest.mark.parametrize(
+    "length,chunk,budget", [(303, 64, 128), (50, 7, 9), (33, 1, 3), (20, 64, 5)]
+)
+def test_wcpb_prompt_states_match_dense_reference(model_dir, length, chunk, budget):
+    eng = engine(
+        model_dir,
+        wavefront_chunked_prefill=True,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=budget,
+    )
+    rec = StateRecorder(eng)
+    prompt = random.Random(length).choices(range(256), k=length)
+    other = random.Random(1).choices(range(256), k=45)
+    run_batched(
+        eng,
+        [
+            Job("a", prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+            Job("b", other, SamplingParams(max_tokens=5, exit_threshold=0.5), arrival_step=2),
+        ],
+        check=invariants,
+    )
+    ref = DenseOuroReference.from_model(eng.model).run(prompt)
+    assert rel_err(rec.prompt_states("a", length), ref.hidden) < 1e-5
+    assert eng.stats.tasks > eng.stats.invocations  # tasks really shared invocations
+
+
+def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
+    """A decoding request and three prompts arriving one step apart: every batch runs one loop,
+    decode rows first, prefill tasks deepest first, and tasks of several depths (and of
+    several chunks of one request) share invocations."""
+    eng = engine(
+        model_dir,
+        wavefront_chunked_prefill=True,
+        prefill_chunk_size=4,
+        max_num_batched_tokens=41,  # one decode row + room for ~2.5 requests' rings (16 rows)
+        max_num_seqs=4,
+    )
+    eng.add_request("d", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True))
+    while eng.scheduler.requests["d"].in_prefill:
+        eng.step()
+    saw_depths, saw_decode, saw_chunks, entered = 0, False, False, set()
+    for step in range(24):
+        if step < 3:
+            eng.add_request(f"p{step}", list(range(10, 30)), SamplingParams(max_tokens=1))
+        batch = eng.scheduler.schedule()
+        assert batch.loop_count == 1
+        kinds = [t.kind for t in batch.requests]
+        assert kinds == sorted(kinds, key=lambda k: k is RowKind.PREFILL)  # decode rows first
+        prefill = [t for t in batch.requests if t.kind is RowKind.PREFILL]
+        depths = [t.depth for t in prefill]
+        assert depths == sorted(depths, reverse=True)  # deepest first
+        for t in prefill:  # only depth-0 entry is cut: a deeper task is a piece as it entered
+            piece = (t.request_id, t.token_start, t.num_tokens)
+            if t.depth == 0:
+                entered.add(piece)
+            assert piece in entered
+        saw_depths = max(saw_depths, len(set(depths)))
+        saw_decode |= RowKind.DECODE in kinds and bool(prefill)
+        per_req = {}
+        for t in prefill:
+            per_req.setdefault(t.request_id, set()).add(t.depth)
+        saw_chunks |= any(len(d) > 1 for d in per_req.values())
+        assert batch.num_rows <= 41
+        eng.scheduler.update(batch, eng.runner.execute(batch))
+    assert saw_depths >= 3, "no invocation held tasks at three depths: no wavefront"
+    assert saw_decode, "decode rows never shared an invocation with prefill tasks"
+    assert saw_chunks, "no invocation held two depths of one request"
+
+
+def test_wavefront_ring_allows_d_resident_chunks(model_dir):
+    eng = engine(
+        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=3, max_num_batched_tokens=64
+    )
+    eng.add_request("a", list(range(40)), SamplingParams(max_tokens=1))
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        for req in eng.scheduler.running:
+            peak = max(peak, eng.scheduler.planner.resident_chunks(req))
+    assert peak == D  # the ring fills, and never overflows (invariants check the bound)
+    assert eng.runner.states.ring_rows == D * 3
+
+
+def test_startup_rejects_wavefront_with_shared_kv_and_atomic_models(model_dir, monkeypatch):
+    with pytest.raises(ValueError, match="wavefront_chunked_prefill.*kv_layout='shared'"):
+        EngineConfig.from_kwargs(wavefront_chunked_prefill=True, kv_layout="shared")
+    monkeypatch.setattr(OuroForCausalLM, "requires_atomic_prefill", True)
+    with pytest.raises(ValueError, match="OuroForCausalLM, which requires atomic prefill"):
+        engine(model_dir, wavefront_chunked_prefill=True)
+    engine(model_dir)  # without wavefront the same model starts
+
+
+def test_trace_records_every_task(model_dir):
+    eng = engine(
+        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4, max_num_batched_tokens=40
+    )
+    eng.stats.trace = []
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    run_batched(eng, [Job("a", list(range(20)), params), Job("b", list(range(9)), params, 1)])
+    prefill = [r for r in eng.stats.trace if r.kind == "prefill"]
+    assert sum(r.num_tokens for r in prefill) == (20 + 9) * D
+    assert len(eng.stats.trace) == eng.stats.tasks
+    by_inv = {}
+    for r in prefill:
+        by_inv.setdefault(r.invocation, set()).add((r.request_id, r.depth))
+    assert max(len(d) for d in by_inv.values()) >= 2
