@@ -257,3 +257,39 @@ def test_trace_records_every_task(model_dir):
     for r in prefill:
         by_inv.setdefault(r.invocation, set()).add((r.request_id, r.depth))
     assert max(len(d) for d in by_inv.values()) >= 2
+
+
+@pytest.mark.gpu
+def test_bf16_wcpb_differs_from_split_no_more_than_batch_composition(tmp_path):
+    """Ouro-1.4B shape, dummy bf16 weights, 303-token prompt, chunk 64, budget 128: per-depth
+    prompt states of WCPB vs split differ no more than split alone vs split beside another
+    request (bf16 rounding depends on batch shape; the computation must not)."""
+    from benchmarks.model_shapes import write_shape
+
+    model_dir = write_shape("ouro-1.4b", tmp_path / "ouro")
+    prompt = random.Random(303).choices(range(49152), k=303)
+    other = random.Random(7).choices(range(49152), k=150)
+
+    def states(wavefront: bool, beside: bool) -> torch.Tensor:
+        eng = LLMEngine(
+            EngineConfig.from_kwargs(
+                model=str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda",
+                attention_backend="triton", prefill_chunk_size=64, max_num_batched_tokens=128,
+                wavefront_chunked_prefill=wavefront, kv_cache_memory_gb=4.0,
+            )
+        )  # fmt: skip
+        rec = StateRecorder(eng)
+        jobs = [Job("a", prompt, SamplingParams(max_tokens=1))]
+        if beside:
+            jobs.append(Job("b", other, SamplingParams(max_tokens=1)))
+        run_batched(eng, jobs)
+        out = rec.prompt_states("a", len(prompt)).float()
+        del eng
+        torch.cuda.empty_cache()
+        return out
+
+    split_alone = states(False, False)
+    modes = rel_err(states(True, False), split_alone)
+    batch = rel_err(states(False, True), split_alone)
+    print(f"bf16 per-depth states: WCPB vs split {modes:.3e}; split vs split-beside {batch:.3e}")
+    assert modes <= batch

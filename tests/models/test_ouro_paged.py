@@ -30,7 +30,8 @@ def check_against_reference(model, ids, states, gates, loops=None, layout="last_
     tol = TOL[model.lm_head.weight.dtype]
     assert rel_err(states, ref.hidden) < tol
     assert rel_err(gates, ref.gate_logits) < tol
-    logits = model.coda(torch.nan_to_num(states.to(ref.logits.dtype)))
+    weight = model.lm_head.weight
+    logits = model.coda(torch.nan_to_num(states.to(weight.device, ref.logits.dtype)))
     ran = ~torch.isnan(ref.logits)
     assert rel_err(torch.where(ran, logits, float("nan")), ref.logits) < tol
 

@@ -44,8 +44,12 @@ class EngineStats:
                 if self.trace is not None:
                     self.trace.append(
                         TraceRecord(
-                            self.invocations, t.request_id, t.kind.value, t.token_start,
-                            t.num_tokens, t.depth + i,
+                            self.invocations,
+                            t.request_id,
+                            t.kind.value,
+                            t.token_start,
+                            t.num_tokens,
+                            t.depth + i,
                         )
                     )
             self.invocations += 1
@@ -67,7 +71,9 @@ class EngineStats:
             **counters,
             "rows_per_invocation": ratio(self.rows, self.invocations),
             "tasks_per_invocation": ratio(self.tasks, self.invocations),
-            "prefill_rows_per_prefill_invocation": ratio(self.prefill_rows, self.prefill_invocations),
+            "prefill_rows_per_prefill_invocation": ratio(
+                self.prefill_rows, self.prefill_invocations
+            ),
             "loops_per_token": ratio(self.generated_loops, self.generated_tokens),
             **{f"rows_at_depth_{d}": n for d, n in sorted(self.depth_rows.items())},
         }

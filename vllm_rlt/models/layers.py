@@ -33,28 +33,36 @@ class RotaryEmbedding(nn.Module):
 
     The cos/sin tables are computed in fp32 once for every position and cast to the activation
     dtype when applied, so the rotation runs in the activation dtype as in the HF reference.
+    `tables` gathers them once per invocation; every layer then applies them. The sin table is
+    stored with the first half negated, so rotate_half(x) * sin == roll(x, d/2) * signed_sin
+    exactly (a sign flip commutes with rounding) in one op instead of three.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
         inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq).float()
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1), persistent=False)
+        signed = torch.cat([-freqs.sin(), freqs.sin()], -1)
+        self.register_buffer("signed_sin", signed, persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """positions: [R] int64 -> (cos, signed_sin), each [R, 1, d] in `dtype`."""
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        return cos, self.signed_sin[positions].to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def apply(tables: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [R, heads, d] with tables from `tables`."""
+        cos, signed_sin = tables
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [R] int64; q: [R, Hq, d]; k: [R, Hkv, d] -> rotated (q, k)."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        t = self.tables(positions, q.dtype)
+        return self.apply(t, q), self.apply(t, k)
 
 
 class SwiGLUMLP(nn.Module):

@@ -116,16 +116,17 @@ class OuroAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        """rope: this invocation's tables from `RotaryEmbedding.tables`."""
         rows = x.shape[0]
         q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        q, k = rotary(meta.positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q), RotaryEmbedding.apply(rope, k)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(rows, -1))
 
@@ -143,8 +144,8 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm_2 = RMSNorm(h, eps)
 
-    def forward(self, h, rotary, meta, k_cache, v_cache) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), rotary, meta, k_cache, v_cache)
+    def forward(self, h, rope, meta, k_cache, v_cache) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(h), rope, meta, k_cache, v_cache)
         h = h + self.input_layernorm_2(attn)
         mlp = self.mlp(self.post_attention_layernorm(h))
         return h + self.post_attention_layernorm_2(mlp)
@@ -201,9 +202,10 @@ class OuroForCausalLM(nn.Module):
         positions each row writes and reads.
         """
         h = hidden
+        rope = self.rotary.tables(attn_metadata.positions, hidden.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = kv.layer(i)
-            h = layer(h, self.rotary, attn_metadata, k_cache, v_cache)
+            h = layer(h, rope, attn_metadata, k_cache, v_cache)
         h = self.model.norm(h)
         gate = self.model.early_exit_gate
         acc = acc_dtype(h.dtype)  # the gate runs in fp32 (fp64 for an fp64 model)

@@ -32,9 +32,9 @@ class DenseOuroReference:
     def __init__(self, config: OuroConfig, weights: dict[str, torch.Tensor]):
         self.c = config
         self.w = weights
-        d = config.head_dim
-        inv_freq = config.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        self.inv_freq = inv_freq
+        d, device = config.head_dim, weights["lm_head.weight"].device
+        exponents = torch.arange(0, d, 2, dtype=torch.float64, device=device) / d
+        self.inv_freq = config.rope_theta**-exponents
 
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> DenseOuroReference:

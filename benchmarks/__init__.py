@@ -1,0 +1,1 @@
+"""Benchmarks (outside the engine's import path): `python -m benchmarks.<name> --help`."""

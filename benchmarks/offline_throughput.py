@@ -1,0 +1,181 @@
+"""Offline throughput of the engine on a real model shape with dummy weights.
+
+For each concurrency c: 2c requests of `--prompt-len` random token ids and `--output-len`
+forced outputs (ignore EOS, fixed depth) are submitted at once to an engine with
+max_num_seqs = c. Reports request/token throughput, TTFT/TPOT percentiles, and - from a profiled
+repeat - host time vs GPU kernel time per step and the GPU busy fraction.
+
+    python -m benchmarks.offline_throughput --concurrency 1 8 32 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.model_shapes import write_shape
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.sampling_params import SamplingParams
+
+
+def run_requests(engine: LLMEngine, prompts, output_len: int):
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"q{time.perf_counter_ns()}-{i}", p, params, arrival_time=start)
+    first, done = {}, {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            first.setdefault(o.request_id, now)
+            if o.finished:
+                done[o.request_id] = now
+    wall = time.perf_counter() - start
+    ttft = np.array([first[r] - start for r in done])
+    e2e = np.array([done[r] - start for r in done])
+    tpot = (e2e - ttft) / max(1, output_len - 1)
+    return wall, ttft, tpot
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def pct(a: np.ndarray) -> dict[str, float]:
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
+
+
+def gpu_kernel_time(trace_path: Path) -> float:
+    """Seconds of GPU activity (kernels, copies, memsets) in a Chrome trace, overlaps merged."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    busy, end = 0.0, -1.0
+    for s, e in spans:
+        if s >= end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    return busy / 1e6
+
+
+def bench(args, concurrency: int, model_dir: Path) -> dict:
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=str(model_dir),
+            load_format="dummy",
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            max_num_seqs=concurrency,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefill_chunk_size=args.chunk_size,
+            scheduling_mode=args.scheduling_mode,
+            exit_threshold=1.0,
+            kv_cache_memory_gb=args.kv_cache_gb,
+        )
+    )
+    rng = np.random.default_rng(0)
+    vocab = engine.model_config.vocab_size
+    make = lambda n: [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(n)]  # noqa: E731
+    run_requests(engine, make(min(concurrency, 4)), 4)  # warm-up: kernel compilation
+    _sync()
+    prompts = make(2 * concurrency)
+    wall, ttft, tpot = run_requests(engine, prompts, args.output_len)
+    steps_before = engine.stats.steps
+    # profiled window: the first `--profile-steps` steps of a fresh set of `concurrency`
+    # requests (their prefill, then decode); host time per step vs GPU kernel time
+    step_times: list[float] = []
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(make(concurrency)):
+        engine.add_request(f"prof-{i}", prompt, params)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        _sync()
+        with torch.profiler.profile(activities=acts) as prof:
+            start = time.perf_counter()
+            for _ in range(args.profile_steps):
+                t0 = time.perf_counter()
+                engine.step()
+                step_times.append(time.perf_counter() - t0)
+            _sync()
+            prof_wall = time.perf_counter() - start
+        prof.export_chrome_trace(str(trace))
+        gpu = gpu_kernel_time(trace)
+    for i in range(concurrency):
+        engine.abort_request(f"prof-{i}")
+    n_out = len(prompts) * args.output_len
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "wall_s": wall,
+        "request_throughput": len(prompts) / wall,
+        "output_tok_s": n_out / wall,
+        "total_tok_s": len(prompts) * (args.prompt_len + args.output_len) / wall,
+        "ttft_s": pct(ttft),
+        "tpot_s": pct(tpot),
+        "decode_tok_s_per_request": float(1.0 / np.median(tpot)),
+        "profiled": {
+            "wall_s": prof_wall,
+            "steps": len(step_times),
+            "host_ms_per_step": 1e3 * float(np.mean(step_times)),
+            "gpu_ms_per_step": 1e3 * gpu / len(step_times),
+            "gpu_busy_fraction": gpu / prof_wall,
+        },
+        "engine_stats": {**engine.stats.as_dict(), "steps_timed_run": steps_before},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="ouro-1.4b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--scheduling-mode", default="mixed")
+    p.add_argument("--kv-cache-gb", type=float, default=40.0)
+    p.add_argument("--profile-steps", type=int, default=40)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape(args.shape, tmp)
+        results = [bench(args, c, model_dir) for c in args.concurrency]
+    meta = {
+        "args": vars(args),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+    }
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    for r in results:
+        prof = r["profiled"]
+        print(
+            f"c={r['concurrency']:>3} out tok/s {r['output_tok_s']:9.1f}  req/s "
+            f"{r['request_throughput']:.3f}  TTFT p50 {r['ttft_s']['p50'] * 1e3:8.1f} ms  TPOT p50 "
+            f"{r['tpot_s']['p50'] * 1e3:7.2f} ms  host/step {prof['host_ms_per_step']:.2f} ms  "
+            f"gpu/step {prof['gpu_ms_per_step']:.2f} ms  busy {prof['gpu_busy_fraction']:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
