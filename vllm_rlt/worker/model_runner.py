@@ -25,6 +25,10 @@ from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
 
+# rows per attention tile: chunk rows share KV loads (64 measured best for 128-token chunks on
+# the H200, docs/benchmarks/attention-microbench.md); decode rows get one-row tiles regardless
+TILE_ROWS = 64
+
 
 @dataclass
 class _Mirror:
@@ -158,7 +162,7 @@ class ModelRunner:
                     done_dst.append(self.states.decode_row(m.slot))
             row += t.num_tokens
         meta = build_attention_metadata(
-            starts, counts, tables, self.kv_cache.block_size, self.device
+            starts, counts, tables, self.kv_cache.block_size, self.device, TILE_ROWS
         )
         index = torch.from_numpy(np.concatenate(rows)).to(self.device)
         hidden = self.states.buffer[index]

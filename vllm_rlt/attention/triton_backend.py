@@ -1,0 +1,37 @@
+"""Triton attention backend: one-launch KV write, then paged attention over the tile table.
+
+The kernels live in `vllm_rlt.kernels.paged_attention`; this class only binds them to the
+`AttentionBackend` protocol. Set TRITON_INTERPRET=1 before importing it to run on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.paged_attention import paged_attention, write_kv_cache
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        # KV splits per tile; None picks them per call from the grid size and the max context
+        # (a CUDA-graph runner that captures per row bucket may want to fix it).
+        self.num_splits = num_splits
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [R, Hq, d]; k, v: [R, Hkv, d]; caches: [num_blocks, block_size, Hkv, d].
+
+        Returns [R, Hq, d] in q's dtype (see `AttentionBackend.forward`).
+        """
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, num_splits=self.num_splits)

@@ -1,0 +1,459 @@
+"""Triton kernels for paged attention over an invocation's tile table (ARCHITECTURE.md §7, §11).
+
+One program handles one tile (rows of one segment: one request at one plane) for one KV head and
+all query heads of its GQA group, and optionally one KV split. It reads the segment's block table,
+streams KV blocks of that plane up to the tile's last position with an fp32 online softmax, and
+masks per row (key position <= row position). Tiles are launched in two classes: one-row tiles
+(decode rows; rows x heads padded to the dot's minimum of 16, or a broadcast-and-sum for MHA) and
+multi-row tiles (prefill chunks; rows x heads form the M side of `tl.dot`).
+
+When rows are few and contexts long, the KV range is split (flash-decoding): each split writes an
+unnormalised partial output with its running max and sum, and a combine kernel merges them.
+Also here: a one-launch KV write (k and v rows to their slots).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_rlt.attention.metadata import AttentionMetadata
+
+# The interpreter computes bf16 tl.dot wrongly: upcast its operands to fp32 there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Compile-time shape of one attention launch."""
+
+    block_n: int  # KV positions per loop iteration (a power of two)
+    num_warps: int  # warps per program
+    num_stages: int  # software-pipelining depth of the KV loop
+    use_dot: bool = True  # tl.dot with rows padded to 16, else broadcast-and-sum (tiny M only)
+
+
+# Chosen from the H200 sweep in docs/benchmarks/attention-microbench.md.
+DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=True)
+CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x heads < 64
+CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
+PROGRAMS_PER_SM = 8  # split the KV range until the grid holds about this many programs per SM
+MIN_SPLIT_LEN = 256  # shortest KV range one split covers
+MAX_SPLITS = 64
+# fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
+# memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
+FP32_BLOCK_N = 32
+
+
+@triton.jit
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    start,
+    kv_end,
+    pos_m,
+    kv_head_off,
+    stride_block,
+    stride_slot,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """One BLOCK_N step of the online softmax; MASKED adds the range and causal masks.
+
+    fp32 accumulation works in the log2 domain (qk_scale includes log2(e)); fp64 (ACC, exactness
+    runs) in the natural one, with the scale computed in fp64 (a float argument arrives as fp32).
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    if MASKED:
+        in_range = offs_n < kv_end
+        blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE)
+    base = blk.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head_off
+    k_ptrs = k_cache_ptr + base[None, :] + offs_d[:, None]  # K^T: [HEAD_PAD, BLOCK_N]
+    v_ptrs = v_cache_ptr + base[:, None] + offs_d[None, :]  # V: [BLOCK_N, HEAD_PAD]
+    if HEAD_PAD != HEAD_DIM:  # head_dim padded up to the dot's minimum K of 16
+        d_ok = offs_d < HEAD_DIM
+        if MASKED:
+            kt = tl.load(k_ptrs, mask=in_range[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_range[:, None] & d_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    elif MASKED:
+        kt = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+
+    if USE_DOT:
+        if UPCAST or F64:
+            s = tl.dot(q.to(ACC), kt.to(ACC))
+        else:
+            s = tl.dot(q, kt, input_precision=PRECISION)
+    else:
+        s = tl.sum(q.to(ACC)[:, :, None] * kt.to(ACC)[None, :, :], axis=1)
+    if F64:  # noqa: SIM108 (constexpr branches: only one is compiled)
+        s = s * (1.0 / tl.sqrt(tl.full([1, 1], HEAD_DIM, tl.float64)))
+    else:
+        s = s * qk_scale
+    if MASKED:
+        s = tl.where(offs_n[None, :] <= pos_m[:, None], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    if F64:
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if USE_DOT:
+        if UPCAST or F64:
+            acc += tl.dot(p.to(v.dtype).to(ACC), v.to(ACC))
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    else:
+        acc += tl.sum(p[:, :, None] * v.to(ACC)[None, :, :], axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tile_ids_ptr,
+    tile_seg_ptr,
+    tile_row_start_ptr,
+    tile_num_rows_ptr,
+    seg_row_starts_ptr,
+    seg_token_starts_ptr,
+    block_tables_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_o_row,
+    stride_o_head,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    stride_bt,
+    num_rows,
+    split_len,
+    qk_scale,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_MG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    F64: tl.constexpr,
+):
+    tile = tl.load(tile_ids_ptr + tl.program_id(0))
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seg = tl.load(tile_seg_ptr + tile)
+    row0 = tl.load(tile_row_start_ptr + tile)
+    nrows = tl.load(tile_num_rows_ptr + tile)
+    pos0 = tl.load(seg_token_starts_ptr + seg) + row0 - tl.load(seg_row_starts_ptr + seg)
+
+    # M side of the tile: index m = r * GROUP_P2 + g is row r, query head kv_head * GROUP + g.
+    offs_m = tl.arange(0, BLOCK_MG)
+    r = offs_m // GROUP_P2
+    g = offs_m % GROUP_P2
+    valid = (r < nrows) & (g < GROUP)
+    row = row0 + r
+    head = kv_head * GROUP + g
+    pos_m = pos0 + tl.minimum(r, nrows - 1)  # padding rows copy a real row: never all-masked
+    offs_d = tl.arange(0, HEAD_PAD)
+    io_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_ptrs = q_ptr + row.to(tl.int64)[:, None] * stride_q_row + head[:, None] * stride_q_head
+    q = tl.load(q_ptrs + offs_d[None, :], mask=io_mask, other=0.0)
+
+    kv_start = split * split_len
+    kv_end = tl.minimum(pos0 + nrows, kv_start + split_len)
+    # Keys below pos0 + 1 are visible to every row of the tile: no mask needed there.
+    num_full = tl.maximum(tl.minimum(kv_end, pos0 + 1) - kv_start, 0) // BLOCK_N
+    full_end = kv_start + num_full * BLOCK_N
+    bt_ptr = block_tables_ptr + seg.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_kv_head
+
+    m_i = tl.full([BLOCK_MG], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_MG], ACC)
+    acc = tl.zeros([BLOCK_MG, HEAD_PAD], ACC)
+    for start in range(kv_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
+            kv_head_off, stride_block, stride_slot, qk_scale,
+            HEAD_DIM, HEAD_PAD, BLOCK_N, BLOCK_SIZE, False, USE_DOT, UPCAST, PRECISION, ACC, F64,
+        )  # fmt: skip
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
+            kv_head_off, stride_block, stride_slot, qk_scale,
+            HEAD_DIM, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64,
+        )  # fmt: skip
+
+    if SPLIT:
+        # Rows this split does not reach are never read by the combine (see _combine_kernel).
+        part = (split * num_rows + row.to(tl.int64)) * NUM_HEADS + head
+        tl.store(part_m_ptr + part, m_i, mask=valid)
+        tl.store(part_l_ptr + part, l_i, mask=valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_o_row + head[:, None] * stride_o_head
+        tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    positions_ptr,
+    stride_o_row,
+    stride_o_head,
+    num_rows,
+    split_len,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """Merge the splits of one (row, head): splits past the row's position were not written."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    num_active = tl.load(positions_ptr + row).to(tl.int32) // split_len + 1
+    offs_s = tl.arange(0, SPLITS_P2)
+    active = offs_s < num_active
+    part = (offs_s * num_rows + row) * NUM_HEADS + head
+    m = tl.load(part_m_ptr + part, mask=active, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=active, other=0.0)
+    if F64:  # noqa: SIM108 (the attention kernel's log domain, see _attend_block)
+        w = tl.exp(m - tl.max(m, 0))
+    else:
+        w = tl.exp2(m - tl.max(m, 0))  # split 0 always sees key 0: the max is finite
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.load(acc_ptrs, mask=active[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+    o_ptrs = out_ptr + row.to(tl.int64) * stride_o_row + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_k_row,
+    stride_v_row,
+    ROW_ELEMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW_ELEMS
+    k = tl.load(k_ptr + row.to(tl.int64) * stride_k_row + offs, mask=mask)
+    v = tl.load(v_ptr + row.to(tl.int64) * stride_v_row + offs, mask=mask)
+    dst = slot * ROW_ELEMS + offs
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v [R, Hkv, d] at flat slots [R] of caches [num_blocks, block_size, Hkv, d]."""
+    num_rows = k.shape[0]
+    row_elems = k_cache.shape[2] * k_cache.shape[3]
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError("k and v rows must be contiguous over (heads, head_dim)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("KV caches must be contiguous")
+    if num_rows == 0:
+        return
+    _write_kv_kernel[(num_rows,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+        ROW_ELEMS=row_elems, BLOCK=triton.next_power_of_2(row_elems), num_warps=4,
+    )  # fmt: skip
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def choose_num_splits(num_programs: int, max_context: int, sm_count: int) -> int:
+    """KV splits per tile so that the grid fills the GPU, each split covering >= MIN_SPLIT_LEN."""
+    target = sm_count * PROGRAMS_PER_SM
+    if num_programs >= target:
+        return 1
+    by_fill = triton.cdiv(target, num_programs)
+    by_len = max(1, max_context // MIN_SPLIT_LEN)
+    return max(1, min(by_fill, by_len, MAX_SPLITS))
+
+
+def _launch_class(
+    tile_ids: torch.Tensor,
+    rows_per_tile: int,
+    cfg: LaunchConfig,
+    common: tuple,
+    group: int,
+    num_kv_heads: int,
+    num_splits: int,
+    constexprs: dict,
+) -> None:
+    group_p2 = triton.next_power_of_2(group)
+    block_mg = triton.next_power_of_2(rows_per_tile) * group_p2
+    use_dot = cfg.use_dot or block_mg > 1
+    if use_dot:
+        block_mg = max(block_mg, 16)
+    grid = (tile_ids.shape[0], num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        *common[:7], tile_ids, *common[7:],
+        GROUP=group, GROUP_P2=group_p2, BLOCK_MG=block_mg, BLOCK_N=cfg.block_n,
+        USE_DOT=use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+    )  # fmt: skip
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    num_splits: int | None = None,
+    decode_config: LaunchConfig | None = None,
+    chunk_config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of q [R, Hq, d] over caches [num_blocks, block_size, Hkv, d].
+
+    Returns [R, Hq, d] in q's dtype (written into `out` when given). `num_splits` fixes the KV
+    splits per tile (default: chosen from the grid size and max context); the configs override
+    the tuned launch shapes.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError("the number of query heads must be a multiple of the KV heads")
+    head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("q and the caches must be contiguous along head_dim, caches alike")
+    group = num_heads // num_kv_heads
+    num_tiles = meta.tile_seg.shape[0]
+    num_one = meta.num_one_row_tiles
+    fp32 = q.dtype in (torch.float32, torch.float64)  # exactness runs: ieee dots, short steps
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if decode_config is None:
+        decode_config = replace(DECODE_CONFIG, block_n=FP32_BLOCK_N) if fp32 else DECODE_CONFIG
+    if chunk_config is None:
+        big = triton.next_power_of_2(meta.max_tile_rows) * triton.next_power_of_2(group) >= 64
+        chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
+        chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_tiles * num_kv_heads, meta.max_context, _sm_count(q.device)
+        )
+    block_n = max(decode_config.block_n, chunk_config.block_n)
+    split_len = triton.cdiv(triton.cdiv(meta.max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(meta.max_context, split_len)
+
+    if out is None:
+        out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError("out must match q's shape and dtype, contiguous along head_dim")
+    if num_splits > 1:
+        part_acc = torch.empty(
+            num_splits, num_rows, num_heads, head_dim, device=q.device, dtype=acc_dtype
+        )
+        part_m = torch.empty(num_splits, num_rows, num_heads, device=q.device, dtype=acc_dtype)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    common = (
+        out, part_acc, part_m, part_l, q, k_cache, v_cache,
+        meta.tile_seg, meta.tile_row_start, meta.tile_num_rows, meta.seg_row_starts,
+        meta.seg_token_starts, meta.block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        num_rows, split_len, head_dim**-0.5 * _LOG2E,
+    )  # fmt: skip
+    constexprs = dict(
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=meta.block_size,
+        SPLIT=num_splits > 1,
+        UPCAST=_INTERPRET,
+        PRECISION="ieee" if fp32 else "tf32",
+        ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
+        F64=acc_dtype == torch.float64,
+    )
+    args = (common, group, num_kv_heads, num_splits, constexprs)
+    if num_one > 0:
+        _launch_class(meta.tile_order[:num_one], 1, decode_config, *args)
+    if num_one < num_tiles:
+        _launch_class(meta.tile_order[num_one:], meta.max_tile_rows, chunk_config, *args)
+    if num_splits > 1:
+        _combine_kernel[(num_rows, num_heads)](
+            out, part_acc, part_m, part_l, meta.positions, out.stride(0), out.stride(1),
+            num_rows, split_len,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4, F64=constexprs["F64"],
+        )  # fmt: skip
+    return out
