@@ -10,12 +10,23 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.reference import DenseOuroReference
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.sampler import gumbel_noise
 
 NEAR_TIE = 1e-5
+
+
+def make_engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
+    """An fp32 engine on a test model directory (KV sized generously unless given)."""
+    kw.setdefault("num_kv_blocks", 4096)
+    kw.setdefault("block_size", 4)
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir), device=device, attention_backend=backend, dtype="float32", **kw
+    )
+    return LLMEngine(config)
 
 
 @dataclass(frozen=True)

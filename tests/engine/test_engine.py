@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from tests.engine.harness import Job, kv_all_free, run_batched
-from vllm_rlt.config import EngineConfig
+from tests.engine.harness import Job, kv_all_free, make_engine, run_batched
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.llm import LLM
 from vllm_rlt.models.tiny import write_tiny_ouro
@@ -22,8 +21,7 @@ def model_dir(tmp_path_factory):
 
 def engine(model_dir, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 512)
-    kw.setdefault("block_size", 4)
-    return LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), device="cpu", **kw))
+    return make_engine(model_dir, **kw)
 
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, exit_threshold=0.5)

@@ -10,8 +10,14 @@ import random
 import pytest
 import torch
 
-from tests.engine.harness import compare, kv_all_free, random_jobs, run_batched, run_serial
-from vllm_rlt.config import EngineConfig
+from tests.engine.harness import (
+    compare,
+    kv_all_free,
+    make_engine,
+    random_jobs,
+    run_batched,
+    run_serial,
+)
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.reference import DenseOuroReference
 from vllm_rlt.models.tiny import write_tiny_ouro
@@ -34,12 +40,7 @@ SUBSET = [("cpu", "triton"), *TARGETS[1:]]
 
 
 def engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
-    kw.setdefault("num_kv_blocks", 2048)
-    kw.setdefault("block_size", 4)
-    config = EngineConfig.from_kwargs(
-        model=str(model_dir), device=device, attention_backend=backend, dtype="float32", **kw
-    )
-    return LLMEngine(config)
+    return make_engine(model_dir, device, backend, **kw)
 
 
 _SERIAL: dict = {}

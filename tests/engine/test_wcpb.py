@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests.engine.harness import Job, compare, kv_all_free, run_batched
+from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched
 from tests.helpers import rel_err
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.sched.execution_batch import RowKind
@@ -28,12 +28,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
-    kw.setdefault("num_kv_blocks", 4096)
-    kw.setdefault("block_size", 4)
-    config = EngineConfig.from_kwargs(
-        model=str(model_dir), device=device, attention_backend=backend, dtype="float32", **kw
-    )
-    return LLMEngine(config)
+    return make_engine(model_dir, device, backend, **kw)
 
 
 def workload(seed: int):

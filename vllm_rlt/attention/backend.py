@@ -43,16 +43,3 @@ def get_attention_backend(name: str) -> AttentionBackend:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)()
-
-
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store each row's K/V at its flat slot (one index_copy per tensor)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from vllm_rlt.attention.backend import write_kv
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.models.layers import acc_dtype
 
@@ -48,3 +47,16 @@ class TorchAttentionBackend:
             probs = torch.softmax(scores, dim=-1)
             out[r0:r1] = torch.einsum("hnc,chd->nhd", probs, vals).to(q.dtype)
         return out
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each row's K/V at its flat slot (one index_copy per tensor)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
