@@ -18,7 +18,7 @@ from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
 from vllm_rlt.models import registry
-from vllm_rlt.models.loader import load_model, read_config
+from vllm_rlt.models.loader import LoadedModel, load_model, read_config
 from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
@@ -28,20 +28,26 @@ from vllm_rlt.worker.model_runner import ModelRunner
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        """`loaded`: an already loaded model to serve (benchmarks compare scheduler settings on
+        one set of weights); by default the engine loads `config.model`."""
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
-        model_dir = mc.model or default_model_dir()
-        _, model_cls = registry.resolve(read_config(model_dir).model_type)
-        config.check_model(model_cls.__name__, model_cls.requires_atomic_prefill)  # before loading
-        loaded = load_model(
-            model_dir,
-            dtype=mc.dtype,
-            device=mc.device,
-            load_format=mc.load_format,
-            attention_backend=mc.attention_backend,
-            seed=mc.seed,
-        )
+        if loaded is None:
+            model_dir = mc.model or default_model_dir()
+            _, model_cls = registry.resolve(read_config(model_dir).model_type)
+            config.check_model(model_cls.__name__, model_cls.requires_atomic_prefill)
+            loaded = load_model(
+                model_dir,
+                dtype=mc.dtype,
+                device=mc.device,
+                load_format=mc.load_format,
+                attention_backend=mc.attention_backend,
+                seed=mc.seed,
+            )
+        else:
+            model_cls = type(loaded.model)
+            config.check_model(model_cls.__name__, model_cls.requires_atomic_prefill)
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
             loaded.config,

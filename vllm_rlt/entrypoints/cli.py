@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_rlt.entrypoints import generate_cmd, inspect_cmd
+from vllm_rlt.entrypoints import generate_cmd, inspect_cmd, serve_cmd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     inspect_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,72 @@
+"""Per-request records and the metrics of BENCHMARKS.md (vLLM `bench serve` definitions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    send_s: float  # when the request was sent (after the concurrency semaphore)
+    prompt_tokens: int
+    chunk_s: list[float] = field(default_factory=list)  # arrivals of token-bearing chunks
+    output_tokens: int = 0
+    ok: bool = True
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_s[0] - self.send_s
+
+    @property
+    def e2e(self) -> float:
+        return self.chunk_s[-1] - self.send_s
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    a = np.asarray(values, dtype=np.float64)
+    out = {"mean": float(a.mean())}
+    out.update({f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)})
+    return out
+
+
+def summarize(records: list[RequestRecord], duration_s: float) -> dict:
+    """TTFT, TPOT, ITL (pooled), E2E percentiles in seconds; request and token throughput."""
+    done = [r for r in records if r.ok and r.chunk_s]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    itl = [b - a for r in done for a, b in zip(r.chunk_s, r.chunk_s[1:], strict=False)]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s,
+        "output_token_throughput": out_tokens / duration_s,
+        "total_token_throughput": (in_tokens + out_tokens) / duration_s,
+        "ttft_s": percentiles([r.ttft for r in done]),
+        "tpot_s": percentiles(tpot),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles([r.e2e for r in done]),
+    }
+
+
+def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
+    """Engine counters of one run (`EngineStats.as_dict()` before and after it) and the ratios
+    of BENCHMARKS.md: rows per invocation, prefill rows per prefill invocation, invocations per
+    request (whose Split / WCPB quotient is the invocation bound)."""
+    counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
+
+    def ratio(a: str, b: str) -> float:
+        return counters[a] / counters[b] if counters.get(b) else 0.0
+
+    return {
+        **counters,
+        "rows_per_invocation": ratio("rows", "invocations"),
+        "tasks_per_invocation": ratio("tasks", "invocations"),
+        "prefill_rows_per_prefill_invocation": ratio("prefill_rows", "prefill_invocations"),
+        "invocations_per_request": counters["invocations"] / num_requests,
+    }

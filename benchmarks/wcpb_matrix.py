@@ -1,0 +1,274 @@
+"""The WCPB matrix of BENCHMARKS.md: Atomic vs Split vs WCPB over chunk sizes x arrival profiles
+x input-length mixes, the three modes of a cell interleaved (A B C A B C ...) on one set of
+weights, medians over repeats.
+
+    python -m benchmarks.wcpb_matrix --out-dir docs/benchmarks/wcpb-matrix          # H200 run
+    python -m benchmarks.wcpb_matrix --smoke --out-dir /tmp/m                       # CPU check
+
+Writes `results.json` (every run), `summary.json` and `README.md` (tables with WCPB/Split
+ratios beside each profile's invocation bound) and PNG plots when matplotlib is installed.
+A run may be split across machines with `--cells` (indices into the cell list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.model_shapes import write_shape
+from benchmarks.serving.drivers import run_inprocess
+from benchmarks.serving.metrics import engine_counters, summarize
+from benchmarks.serving.workload import build_workload
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.engine.async_engine import AsyncLLMEngine
+from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.models.loader import load_model
+
+MODES = {
+    "atomic": {"scheduling_mode": "refill"},
+    "split": {"scheduling_mode": "mixed"},
+    "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
+}
+PROFILES = {
+    "serial": {"profile": "serial", "concurrency": 1},
+    "concurrent": {"profile": "concurrent", "concurrency": 8},
+    "arrival": {"profile": "arrival", "concurrency": 4, "rate": 2.0},
+}
+INPUTS = {"fixed": [512], "variable": [256, 512, 768]}
+# (metric path, short name) reported per mode
+METRICS = [
+    (("summary", "request_throughput"), "req/s"),
+    (("summary", "output_token_throughput"), "out tok/s"),
+    (("summary", "ttft_s", "p50"), "TTFT p50 s"),
+    (("summary", "tpot_s", "p50"), "TPOT p50 s"),
+    (("summary", "itl_s", "p99"), "ITL p99 s"),
+    (("summary", "e2e_s", "p50"), "E2E p50 s"),
+    (("engine", "rows_per_invocation"), "rows/inv"),
+    (("engine", "prefill_rows_per_prefill_invocation"), "prefill rows/prefill inv"),
+    (("engine", "invocations_per_request"), "inv/req"),
+]
+
+
+def cells(chunks: list[int]) -> list[tuple[int, str, str]]:
+    return list(itertools.product(chunks, PROFILES, INPUTS))
+
+
+def run_one(
+    loaded, args, chunk: int, mode: str, profile: str, inputs: str, repeat: int, smoke: dict
+) -> dict:
+    """One engine run of one mode in one cell (`smoke`: CPU overrides of inputs and rates)."""
+    config = EngineConfig.from_kwargs(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=chunk,
+        exit_threshold=1.0,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        **MODES[mode],
+    )
+    vocab = loaded.config.vocab_size
+    p = {**PROFILES[profile], **smoke.get("profiles", {}).get(profile, {})}
+    lens = smoke.get("inputs", INPUTS)[inputs]
+    wl = build_workload(
+        p["profile"], args.num_requests, lens, args.output_len, vocab,
+        concurrency=p["concurrency"], rate=p.get("rate", 2.0), seed=args.seed + repeat,
+    )  # fmt: skip
+
+    async def go():
+        engine = AsyncLLMEngine(LLMEngine(config, loaded))
+        try:
+            warm = build_workload("concurrent", 2, [chunk + 3], 2, vocab, seed=99)
+            await run_inprocess(engine, warm, tag="warmup")
+            before = engine.engine.stats.as_dict()
+            records, duration = await run_inprocess(engine, wl)
+            after = engine.engine.stats.as_dict()
+        finally:
+            await engine.shutdown()
+        return {
+            "summary": summarize(records, duration),
+            "engine": engine_counters(before, after, len(wl.requests)),
+        }
+
+    result = asyncio.run(go())
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "mode": mode, "repeat": repeat}
+    return {**cell, **result}
+
+
+def _get(run: dict, path: tuple) -> float:
+    value = run
+    for key in path:
+        value = value[key]
+    return float(value)
+
+
+def summarize_matrix(runs: list[dict]) -> list[dict]:
+    """Per cell and mode: median and spread of every metric; WCPB/Split ratios and the bound."""
+    rows = []
+    keys = sorted({(r["chunk"], r["profile"], r["inputs"]) for r in runs})
+    for chunk, profile, inputs in keys:
+        cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "modes": {}}
+        for mode in MODES:
+            own = [r for r in runs if (r["chunk"], r["profile"], r["inputs"], r["mode"]) ==
+                   (chunk, profile, inputs, mode)]  # fmt: skip
+            if not own:
+                continue
+            cell["modes"][mode] = {
+                name: {
+                    "median": float(np.median([_get(r, path) for r in own])),
+                    "min": min(_get(r, path) for r in own),
+                    "max": max(_get(r, path) for r in own),
+                }
+                for path, name in METRICS
+            } | {"repeats": len(own)}
+        m = cell["modes"]
+        if "split" in m and "wcpb" in m:
+            med = {
+                mode: {k: v["median"] for k, v in m[mode].items() if k != "repeats"} for mode in m
+            }
+            s, w = med["split"], med["wcpb"]
+            cell["wcpb_over_split"] = {
+                "req/s": w["req/s"] / s["req/s"],
+                "TTFT p50": w["TTFT p50 s"] / s["TTFT p50 s"],
+                "ITL p99": w["ITL p99 s"] / s["ITL p99 s"],
+                "prefill rows/prefill inv": w["prefill rows/prefill inv"]
+                / s["prefill rows/prefill inv"],
+                "invocation bound": s["inv/req"] / w["inv/req"],
+            }
+        rows.append(cell)
+    return rows
+
+
+def markdown(cells_summary: list[dict], meta: dict) -> str:
+    lines = [
+        "# WCPB matrix",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"GPU: {meta['gpu']}; torch {meta['torch']}; triton {meta['triton']}; "
+        f"Python {meta['python']}; model {meta['shape']} ({meta['dtype']}, dummy weights, "
+        "fixed depth).",
+        "",
+        "Medians over repeats (min-max in brackets). Modes of a cell ran interleaved.",
+        "",
+    ]
+    for cell in cells_summary:
+        lines.append(f"## chunk {cell['chunk']}, {cell['profile']}, {cell['inputs']} inputs")
+        lines.append("")
+        lines.append("| mode | repeats | " + " | ".join(name for _, name in METRICS) + " |")
+        lines.append("|---" * (len(METRICS) + 2) + "|")
+        for mode, vals in cell["modes"].items():
+            cols = [
+                f"{vals[name]['median']:.4g} ({vals[name]['min']:.3g}-{vals[name]['max']:.3g})"
+                for _, name in METRICS
+            ]
+            lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
+        if "wcpb_over_split" in cell:
+            ratios = ", ".join(f"{k} {v:.3f}" for k, v in cell["wcpb_over_split"].items())
+            lines += ["", f"WCPB / Split: {ratios}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(cells_summary: list[dict], out_dir: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [f"c{c['chunk']}\n{c['profile'][:4]}\n{c['inputs'][:3]}" for c in cells_summary]
+    for name, fname in (("req/s", "throughput.png"), ("TTFT p50 s", "ttft.png"),
+                        ("ITL p99 s", "itl_p99.png")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 3.5))
+        width = 0.27
+        for k, mode in enumerate(MODES):
+            vals = [
+                c["modes"].get(mode, {}).get(name, {}).get("median", 0.0) for c in cells_summary
+            ]
+            ax.bar(np.arange(len(labels)) + (k - 1) * width, vals, width, label=mode)
+        ax.set_xticks(np.arange(len(labels)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel(name)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=120)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--shape", default="ouro-1.4b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--chunks", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--cells", type=int, nargs="*", default=None, help="indices into the cells")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--arrival-repeats", type=int, default=1)
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--kv-cache-gb", type=float, default=40.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
+    args = p.parse_args(argv)
+    smoke = {}
+    if args.smoke:
+        args.shape, args.dtype, args.attention_backend = "tiny", "float32", "torch"
+        args.num_requests, args.output_len, args.kv_cache_gb = 3, 3, 0.05
+        smoke = {
+            "inputs": {"fixed": [40], "variable": [20, 40, 60]},
+            "profiles": {"arrival": {"rate": 50.0}},
+        }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(
+            write_shape(args.shape, tmp), dtype=args.dtype, load_format="dummy",
+            attention_backend=args.attention_backend,
+        )  # fmt: skip
+    todo = cells(args.chunks)
+    if args.cells is not None:
+        todo = [todo[i] for i in args.cells]
+    runs = []
+    for chunk, profile, inputs in todo:
+        repeats = args.arrival_repeats if profile == "arrival" else args.repeats
+        for r in range(repeats):
+            for mode in MODES:  # interleaved: A B C A B C ...
+                runs.append(run_one(loaded, args, chunk, mode, profile, inputs, r, smoke))
+                s = runs[-1]["summary"]
+                print(f"chunk {chunk} {profile} {inputs} r{r} {mode}: "
+                      f"{s['request_throughput']:.3f} req/s", flush=True)  # fmt: skip
+    meta = {
+        "command": "python -m benchmarks.wcpb_matrix " + " ".join(argv or sys.argv[1:]),
+        "args": vars(args),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "shape": args.shape,
+        "dtype": args.dtype,
+    }
+    summary = summarize_matrix(runs)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "README.md").write_text(markdown(summary, meta))
+    plot(summary, out_dir)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

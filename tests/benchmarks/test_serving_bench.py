@@ -1,0 +1,106 @@
+"""The serving benchmark's workloads, in-process driver and metrics on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.serving.__main__ import main
+from benchmarks.serving.drivers import run_inprocess
+from benchmarks.serving.metrics import RequestRecord, summarize
+from benchmarks.serving.workload import build_workload
+from vllm_rlt.engine.async_engine import AsyncLLMEngine
+from vllm_rlt.models.tiny import write_tiny_ouro
+
+
+def test_workload_profiles():
+    serial = build_workload("serial", 50, [8], 4, 100, concurrency=8)
+    assert serial.concurrency == 1 and all(r.arrival_s == 0 for r in serial.requests)
+    mixed = build_workload("concurrent", 300, [256, 512, 768], 4, 100, seed=1)
+    lens = {len(r.prompt_token_ids) for r in mixed.requests}
+    assert lens == {256, 512, 768}
+    arrival = build_workload("arrival", 2000, [8], 4, 100, rate=4.0, seed=2)
+    gaps = np.diff([0.0] + [r.arrival_s for r in arrival.requests])
+    assert abs(gaps.mean() - 0.25) < 0.02  # exponential gaps at 4 req/s
+    assert build_workload("arrival", 5, [8], 4, 100, seed=3) == build_workload(
+        "arrival", 5, [8], 4, 100, seed=3
+    )
+    with pytest.raises(ValueError, match="profile"):
+        build_workload("burst", 5, [8], 4, 100)
+
+
+def test_metrics_follow_the_definitions():
+    a = RequestRecord(send_s=0.0, prompt_tokens=10, chunk_s=[0.5, 0.7, 1.0], output_tokens=3)
+    b = RequestRecord(send_s=1.0, prompt_tokens=10, chunk_s=[1.2], output_tokens=1)
+    s = summarize([a, b, RequestRecord(2.0, 10, ok=False)], duration_s=2.0)
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert s["ttft_s"]["mean"] == pytest.approx((0.5 + 0.2) / 2)
+    assert s["tpot_s"]["mean"] == pytest.approx((1.0 - 0.5) / 2)  # only requests with > 1 token
+    assert s["itl_s"]["p50"] == pytest.approx(0.25)  # gaps 0.2 and 0.3, pooled
+    assert s["e2e_s"]["mean"] == pytest.approx((1.0 + 0.2) / 2)
+    assert s["output_token_throughput"] == pytest.approx(4 / 2.0)
+
+
+def test_inprocess_driver_records_every_token(tmp_path):
+    model = write_tiny_ouro(tmp_path / "m")
+    engine = AsyncLLMEngine.from_kwargs(
+        str(model), device="cpu", num_kv_blocks=256, block_size=4, max_num_seqs=3
+    )
+    wl = build_workload("arrival", 6, [5, 17], 4, 256, concurrency=2, rate=50.0, seed=4)
+
+    async def go():
+        try:
+            return await run_inprocess(engine, wl)
+        finally:
+            await engine.shutdown()
+
+    records, duration = asyncio.run(go())
+    assert all(r.ok and r.output_tokens == 4 and len(r.chunk_s) == 4 for r in records)
+    assert all(r.send_s <= r.chunk_s[0] <= r.chunk_s[-1] for r in records)
+    summary = summarize(records, duration)
+    assert summary["completed"] == 6 and summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+
+
+def test_cli_writes_results_with_engine_counters(tmp_path):
+    model = write_tiny_ouro(tmp_path / "m")
+    out = tmp_path / "r.json"
+    argv = [str(model), "--profile", "concurrent", "--num-requests", "4", "--input-lens", "9",
+            "--output-len", "3", "--concurrency", "2", "--device", "cpu", "--num-kv-blocks", "128",
+            "--block-size", "4", "--wavefront-chunked-prefill", "--prefill-chunk-size", "4",
+            "--out", str(out)]  # fmt: skip
+    main(argv)
+    result = json.loads(out.read_text())
+    assert result["summary"]["completed"] == 4
+    engine = result["engine"]
+    assert engine["generated_tokens"] == 4 * 3  # warm-up excluded
+    assert engine["prefill_rows"] == 4 * 9 * 4  # every prompt position at every depth
+    assert engine["rows_per_invocation"] > 1
+
+
+def test_wcpb_matrix_smoke_interleaves_modes_and_reports_the_bound(tmp_path):
+    from benchmarks.wcpb_matrix import main as matrix
+
+    argv = [
+        "--smoke",
+        "--out-dir",
+        str(tmp_path),
+        "--chunks",
+        "32",
+        "--cells",
+        "2",
+        "--repeats",
+        "2",
+    ]
+    summary = matrix(argv)
+    assert [(c["chunk"], c["profile"], c["inputs"]) for c in summary] == [
+        (32, "concurrent", "fixed")
+    ]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["mode"] for r in runs] == ["atomic", "split", "wcpb"] * 2  # interleaved repeats
+    ratios = summary[0]["wcpb_over_split"]
+    assert ratios["invocation bound"] > 1  # WCPB needs fewer invocations per request
+    assert ratios["prefill rows/prefill inv"] > 1
+    assert (tmp_path / "README.md").read_text().startswith("# WCPB matrix")

@@ -1,0 +1,294 @@
+"""The OpenAI-compatible server, over real HTTP (uvicorn in a thread) with the official client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_utils import ServerThread, tiny_engine
+from vllm_rlt.entrypoints.openai.api_server import build_app
+from vllm_rlt.models.tiny import write_tiny_ouro
+
+MODEL = "tiny-test"
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_ouro(tmp_path_factory.mktemp("server") / "tiny", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine = tiny_engine(model_dir)  # 256 blocks of 4 positions over 4 planes: 256 positions
+    app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=4096)
+    with ServerThread(app) as srv:
+        srv.engine = engine
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _create(client, **kw):
+    """A completion; the vLLM-style extensions travel in extra_body."""
+    names = ("ignore_eos", "min_loops", "max_loops", "exit_threshold", "top_k")
+    extra = {k: kw.pop(k) for k in names if k in kw}
+    return client.completions.create(model=MODEL, extra_body=extra or None, **kw)
+
+
+def _stream_completion(client, **kw):
+    text, tokens, finish, usage = {}, {}, {}, None
+    for chunk in _create(client, stream=True, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.logprobs is not None:
+                tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    return text, tokens, finish, usage
+
+
+def _metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _wait_idle(server, timeout=10.0) -> None:
+    kv = server.engine.kv_manager
+    deadline = time.monotonic() + timeout
+    while kv.num_free_blocks != kv.num_total_blocks or server.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests still hold KV blocks"
+        time.sleep(0.02)
+
+
+# ---- completions -----------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 7}])
+def test_completion_stream_matches_non_stream(client, sampling):
+    kw = dict(prompt="def fib(n):", max_tokens=8, logprobs=1, ignore_eos=True, **sampling)
+    full = _create(client, **kw)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert len(choice.logprobs.tokens) == 8
+    assert full.usage.completion_tokens == 8
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 8
+    text, tokens, finish, usage = _stream_completion(
+        client, stream_options={"include_usage": True}, **kw
+    )
+    assert text[0] == choice.text
+    assert tokens[0] == choice.logprobs.tokens
+    assert finish == {0: "length"}
+    assert usage.completion_tokens == 8 and usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_samples_with_seed_are_reproducible(client):
+    kw = dict(prompt="import os", max_tokens=6, n=2, seed=11, temperature=1.0, ignore_eos=True)
+    a, b = _create(client, **kw), _create(client, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 12
+    text, _, finish, _ = _stream_completion(client, **kw)
+    assert text == {c.index: c.text for c in a.choices}
+    assert finish == {0: "length", 1: "length"}
+
+
+def test_stop_string_cuts_text(client):
+    kw = dict(prompt="class A:", max_tokens=12, temperature=0, ignore_eos=True)
+    base = _create(client, **kw).choices[0].text
+    stop = base[4:6]
+    assert stop.strip("\ufffd"), f"unusable generation {base!r}"
+    want = base[: base.find(stop)]
+    out = _create(client, stop=[stop, "never-seen-stop"], **kw).choices[0]
+    assert out.text == want and out.finish_reason == "stop"
+    text, _, finish, _ = _stream_completion(client, stop=stop, **kw)
+    assert text[0] == want and finish[0] == "stop"
+
+
+def test_token_id_prompts_logprobs_and_echo(client, server):
+    tok = server.engine.tokenizer
+    ids = [tok.encode("def f(x):").ids, tok.encode("return x").ids]
+    out = _create(client, prompt=ids, max_tokens=4, temperature=0, logprobs=2, ignore_eos=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert out.usage.completion_tokens == 8
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(1 <= len(top) <= 3 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0
+    offsets = [o - len(t) for o, t in zip(lp.text_offset[1:], lp.tokens, strict=False)]
+    assert offsets == lp.text_offset[:-1]
+    single = _create(client, prompt=ids[0], max_tokens=4, temperature=0, ignore_eos=True)
+    assert single.choices[0].text == out.choices[0].text
+    echo = _create(client, prompt="def f(x):", echo=True, max_tokens=4, temperature=0,
+                   ignore_eos=True)  # fmt: skip
+    assert echo.choices[0].text == "def f(x):" + out.choices[0].text
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def test_chat_stream_matches_non_stream(client, server):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=6, seed=5, temperature=0.8)
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0]
+    assert msg.message.role == "assistant" and msg.finish_reason in ("length", "stop")
+    prompt = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    prompt += "<|im_start|>assistant\n"
+    assert full.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt).ids)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.message.content
+    assert chunks[-1].choices[0].finish_reason == msg.finish_reason
+    lp = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0].logprobs
+    assert len(lp.content) == full.usage.completion_tokens
+    assert all(len(t.top_logprobs) <= 2 for t in lp.content)
+
+
+def test_chat_stops_at_im_end_and_passes_loop_bounds(client, server, monkeypatch):
+    seen = []
+    add = server.engine.add_request
+
+    def spy(request_id, prompt, params, **kw):
+        seen.append(params)
+        return add(request_id, prompt, params, **kw)
+
+    monkeypatch.setattr(server.engine, "add_request", spy)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"min_loops": 2, "max_loops": 3, "exit_threshold": 0.5, "stop_token_ids": [7]},
+    )
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert all(2 <= d <= 4 for d in out.choices[0].exit_depths)
+    im_end = server.engine.tokenizer.token_to_id("<|im_end|>")
+    (params,) = seen
+    assert params.stop_token_ids == (7, im_end)
+    assert (params.min_loops, params.max_loops, params.exit_threshold) == (2, 3, 0.5)
+    assert params.max_tokens == 5
+
+
+# ---- models, health, metrics -----------------------------------------------------------------
+def test_models_health_and_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200
+    _create(client, prompt="x", max_tokens=3, temperature=0, ignore_eos=True)
+    m = _metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "rows_per_invocation", "tasks_per_invocation", "invocations_total"):  # fmt: skip
+        assert "vllm_rlt:" + name in m
+    assert m["vllm_rlt:generation_tokens_total"] >= 3
+    assert m["vllm_rlt:prompt_tokens_total"] >= 1
+    assert m["vllm_rlt:time_to_first_token_seconds_count"] >= 1
+    assert m["vllm_rlt:e2e_request_latency_seconds_count"] >= 1
+    assert m['vllm_rlt:exit_depth_bucket{le="+Inf"}'] == m["vllm_rlt:generation_tokens_total"]
+    assert m['vllm_rlt:exit_depth_bucket{le="4.0"}'] == m["vllm_rlt:generation_tokens_total"]
+    assert m["vllm_rlt:rows_per_invocation"] > 0
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def _post(server, body, path="/v1/completions", headers=AUTH) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers=headers)
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> str:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"] and ".py" not in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err["message"]
+
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": 4}, "prompt"),  # missing prompt
+    ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),  # ill-typed
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "min_loops": 5}, "min_loops"),  # the tiny model has depth 4
+    ({"prompt": "x", "min_loops": 3, "max_loops": 2}, "min_loops"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [5, 999999]}, "prompt"),  # out of the vocabulary
+    ({"prompt": "x", "max_tokens": 2000}, None),  # beyond the model's 1024 positions
+    ({"prompt": "x", "max_tokens": 400}, None),  # beyond the KV cache's 256 positions
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+def test_bad_completion_requests_are_400(server, body, param):
+    _assert_error(_post(server, body), 400, param)
+
+
+def test_error_statuses(server, client):
+    assert "JSON" in _assert_error(_post(server, b"{not json"), 400)
+    _assert_error(_post(server, b"[1, 2]"), 400)
+    _assert_error(_post(server, {"messages": []}, "/v1/chat/completions"), 400)
+    _assert_error(_post(server, {"messages": [{"content": "x"}]}, "/v1/chat/completions"), 400)
+    chat = {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    _assert_error(_post(server, chat, "/v1/chat/completions"), 400, "top_logprobs")
+    _assert_error(_post(server, {"prompt": "x", "model": "gpt-9"}), 404, "model")
+    _assert_error(_post(server, {"prompt": "x"}, headers={}), 401)
+    _assert_error(_post(server, {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
+    _assert_error(httpx.get(server.url + "/v1/models"), 401)
+    _assert_error(_post(server, {"prompt": "x" * 5000}), 413)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=0)  # fmt: skip
+    _wait_idle(server)
+
+
+# ---- disconnects -----------------------------------------------------------------------------
+def test_client_disconnect_aborts_and_frees_kv(server, client):
+    _wait_idle(server)
+    generated = server.engine.stats.generated_tokens
+    other: dict = {}
+
+    def run_other():
+        other["out"] = _create(client, prompt="y", max_tokens=30, temperature=0, ignore_eos=True)
+
+    body = {"prompt": "def f(x):", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=AUTH) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        worker = threading.Thread(target=run_other)
+        worker.start()
+        assert server.engine.kv_manager.num_free_blocks < server.engine.kv_manager.num_total_blocks
+    worker.join(timeout=30)
+    assert other["out"].choices[0].finish_reason == "length"
+    assert other["out"].usage.completion_tokens == 30
+    _wait_idle(server)
+    # the aborted request stopped long before its 240 tokens
+    assert server.engine.stats.generated_tokens - generated < 30 + 100
+    m = _metrics(server)
+    assert m["vllm_rlt:num_requests_running"] == 0
+    assert m["vllm_rlt:num_free_kv_blocks"] == m["vllm_rlt:num_total_kv_blocks"]
+    assert m['vllm_rlt:request_success_total{finished_reason="abort"}'] >= 1

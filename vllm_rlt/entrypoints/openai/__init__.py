@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol models, serving code, and the FastAPI app."""

@@ -1,0 +1,169 @@
+"""`POST /v1/chat/completions`: messages rendered with the checkpoint's chat template (ChatML when
+it has none), generation stops at `<|im_end|>` (besides EOS); streaming sends the role first,
+then content deltas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from vllm_rlt.entrypoints.openai.chat_template import IM_END
+from vllm_rlt.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    random_id,
+)
+from vllm_rlt.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    APIError,
+    DeltaTracker,
+    ServerState,
+    add_all,
+    engine_error,
+    merge,
+    sampling_params,
+    sse,
+    usage,
+)
+from vllm_rlt.outputs import CompletionOutput, RequestOutput
+
+
+def _content(msg: ChatMessage) -> str:
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content or ""
+    parts = []
+    for part in msg.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "messages: only text content parts are supported", param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _logprobs(state: ServerState, ids: list[int], lps: list[dict[int, float]]) -> ChatLogProbs:
+    def entry(tok: int, lp: float) -> ChatTopLogprob:
+        text = state.token_text(tok)
+        return ChatTopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+
+    content = []
+    for tok, alts in zip(ids, lps, strict=True):
+        top = [entry(t, lp) for t, lp in alts.items() if t != tok]
+        head = entry(tok, alts[tok])
+        content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=top))
+    return ChatLogProbs(content=content)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+    state.check_model(req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream")
+    messages = [{"role": m.role, "content": _content(m)} for m in req.messages]
+    try:
+        prompt = state.chat.render(messages)
+    except Exception:  # a template error (e.g. roles it rejects)
+        msg = "messages: the chat template cannot render them"
+        raise APIError(400, msg, param="messages") from None
+    ids = state.encode(prompt)
+    kwargs = req.sampling_kwargs()
+    im_end = state.tokenizer.token_to_id(IM_END) if state.tokenizer else None
+    if im_end is not None:
+        kwargs["stop_token_ids"] = (*kwargs["stop_token_ids"], im_end)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:  # the rest of the context, within what the KV cache can hold
+        kv_room = state.engine.engine.kv_manager.max_tokens_per_request() + 1
+        max_tokens = max(1, min(state.max_model_len, kv_room) - len(ids))
+    logprobs = None
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    elif req.top_logprobs is not None:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    params = sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    request_id = random_id("chatcmpl")
+    streams = await add_all(state, request_id, [ids], params)
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, request_id, len(ids), streams, raw),
+            media_type="text/event-stream",
+        )
+    final: RequestOutput | None = None
+    outputs = merge(streams, state.metrics)
+    try:
+        async for _, out in outputs:
+            final = out if out.finished else final
+            if await raw.is_disconnected():
+                return JSONResponse({}, status_code=499)
+    except Exception as err:
+        raise engine_error(err) from None
+    finally:
+        await outputs.aclose()
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatResponseMessage(role="assistant", content=c.text),
+            logprobs=_logprobs(state, c.token_ids, c.logprobs) if req.logprobs else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            exit_depths=c.exit_depths,
+        )
+        for c in final.outputs
+    ]
+    return ChatCompletionResponse(
+        id=request_id,
+        model=state.served_model_name,
+        choices=choices,
+        usage=usage([len(ids)], final.outputs),
+    )
+
+
+async def _stream(
+    state: ServerState, req: ChatCompletionRequest, request_id, num_prompt, streams, raw
+) -> AsyncIterator[str]:
+    def chunk(choices, use=None) -> str:
+        resp = ChatCompletionResponse(
+            id=request_id,
+            object="chat.completion.chunk",
+            model=state.served_model_name,
+            choices=choices,
+            usage=use,
+        )
+        return sse(resp)
+
+    tracker = DeltaTracker(tuple(req.sampling_kwargs()["stop"]))
+    finals: dict[int, CompletionOutput] = {}
+    outputs = merge(streams, state.metrics)
+    try:
+        for i in range(req.n):
+            role = ChatResponseMessage(role="assistant", content="")
+            yield chunk([ChatStreamChoice(index=i, delta=role)])
+        async for _, out in outputs:
+            for comp in out.outputs:
+                text, start, end = tracker.delta(comp.index, comp)
+                if comp.finished:
+                    finals[comp.index] = comp
+                if not text and not comp.finished and (start == end or not req.logprobs):
+                    continue
+                lp = None
+                if req.logprobs:
+                    lp = _logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end])
+                delta = ChatResponseMessage(content=text)
+                choice = ChatStreamChoice(
+                    index=comp.index, delta=delta, logprobs=lp, finish_reason=comp.finish_reason
+                )
+                yield chunk([choice])
+            if await raw.is_disconnected():
+                return
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage([num_prompt], list(finals.values())))
+    except Exception as err:
+        yield sse(engine_error(err).body())
+    finally:
+        await outputs.aclose()
+    yield SSE_DONE

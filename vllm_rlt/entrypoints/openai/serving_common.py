@@ -1,0 +1,228 @@
+"""What completions and chat share: the server state, OpenAI-shaped errors, turning a request
+into SamplingParams, running several engine streams at once, and streaming text deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from tokenizers import Tokenizer
+
+from vllm_rlt.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
+from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
+from vllm_rlt.outputs import CompletionOutput, RequestOutput
+from vllm_rlt.sampling_params import SamplingParams
+
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+class APIError(Exception):
+    """An error answered in OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code or str(self.status),
+            }
+        }
+
+
+def engine_error(err: Exception) -> APIError:
+    """Map an engine exception to the HTTP error the client sees (no internals in the text)."""
+    if isinstance(err, ValueError):
+        return bad_request(str(err))
+    if isinstance(err, QueueFullError):
+        return APIError(
+            429, str(err), type="rate_limit_error", code="429", headers={"Retry-After": "1"}
+        )
+    if isinstance(err, EngineDeadError):
+        return APIError(500, str(err), type="internal_server_error")
+    return APIError(500, "internal error while generating", type="internal_server_error")
+
+
+def bad_request(message: str) -> APIError:
+    first = message.split(" ", 1)[0].rstrip(":")
+    param = first if first in _SAMPLING_FIELDS or first == "prompt" else None
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    chat: ChatRenderer = field(default_factory=lambda: ChatRenderer(None))
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.model_config.max_position_embeddings
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.served_model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                type="NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("prompt: text needs a tokenizer; this model has none, pass token ids")
+        return self.tokenizer.encode(text).ids
+
+    def token_text(self, token_id: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
+
+
+async def read_json(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
+    """The body parsed into `model`; 413 above `max_bytes`, 400 for bad JSON or fields."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except Exception as err:  # pydantic.ValidationError
+        errors = getattr(err, "errors", lambda: [])()
+        if not errors:
+            raise APIError(400, "invalid request") from None
+        first = errors[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        param = str(first["loc"][0]) if first["loc"] else None
+        raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
+
+
+def sampling_params(**kwargs: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as err:
+        raise bad_request(str(err)) from None
+
+
+async def add_all(
+    state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams
+):
+    """Add one engine request per prompt (ids `request_id-i`); on an error abort the added ones."""
+    streams = []
+    try:
+        for i, ids in enumerate(prompts):
+            streams.append(await state.engine.add_request(f"{request_id}-{i}", ids, params))
+    except BaseException as err:
+        for s in streams:
+            s.close()
+        if isinstance(err, Exception):
+            raise engine_error(err) from None
+        raise
+    return streams
+
+
+async def merge(streams: list, metrics: ServerMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closing aborts the unfinished."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in metrics.track(stream):
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as err:
+            await queue.put((i, err))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+class DeltaTracker:
+    """Per choice: the text and tokens already sent while streaming. While a choice runs, the last
+    `len(longest stop) - 1` characters are held back, as they may turn out to start a stop string
+    (the engine then cuts the text before it)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.sent_text: dict[int, int] = {}
+        self.sent_tokens: dict[int, int] = {}
+
+    def delta(self, index: int, comp: CompletionOutput) -> tuple[str, int, int]:
+        """(new text, first new token, end of new tokens) for choice `index`."""
+        text_from = self.sent_text.get(index, 0)
+        end = len(comp.text) if comp.finished else max(len(comp.text) - self.holdback, text_from)
+        tok_from = self.sent_tokens.get(index, 0)
+        self.sent_text[index] = end
+        self.sent_tokens[index] = len(comp.token_ids)
+        return comp.text[text_from:end], tok_from, len(comp.token_ids)
+
+
+def sse(payload: BaseModel | dict) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(exclude_none=False)
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> dict[str, int]:
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for c in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
