@@ -207,14 +207,27 @@ def _post(server, body, path="/v1/completions", headers=AUTH) -> httpx.Response:
     return httpx.post(server.url + path, content=content, headers=headers)
 
 
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "NotFoundError",
+               413: "invalid_request_error"}  # fmt: skip
+
+
 def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> str:
+    """The OpenAI error shape with the right status and type, a message that names the problem
+    (param, where the problem is one field), and the server still answering a normal request."""
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == ERROR_TYPES[status]
     assert isinstance(err["message"], str) and err["message"]
     assert "Traceback" not in err["message"] and ".py" not in err["message"]
     if param is not None:
-        assert err["param"] == param
+        assert err["param"] == param and param in err["message"]
+    url = resp.request.url
+    normal = {"prompt": "ok", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    ok = httpx.post(
+        f"{url.scheme}://{url.host}:{url.port}/v1/completions", json=normal, headers=AUTH
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     return err["message"]
 
 

@@ -90,14 +90,15 @@ def build_app(
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return await api_error(_, APIError(500, "internal server error", type="internal_error"))
+        error = APIError(500, "internal server error", type="internal_server_error")
+        return await api_error(_, error)
 
     @app.get("/health")
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
         return JSONResponse(
-            APIError(503, "the engine loop has stopped", type="internal_error").body(), 503
+            APIError(503, "the engine loop has stopped", type="internal_server_error").body(), 503
         )
 
     @app.get("/metrics")
