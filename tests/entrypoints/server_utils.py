@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from vllm_rlt.config import EngineConfig
@@ -48,3 +49,22 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The server's /metrics samples by name (labels included)."""
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def wait_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
+    """Wait until no request runs and every KV block is free."""
+    kv = engine.kv_manager
+    deadline = time.monotonic() + timeout
+    while kv.num_free_blocks != kv.num_total_blocks or engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests still running or holding KV blocks"
+        time.sleep(0.02)

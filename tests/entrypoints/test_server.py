@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import ServerThread, tiny_engine
+from tests.entrypoints.server_utils import ServerThread, read_metrics, tiny_engine, wait_idle
 from vllm_rlt.entrypoints.openai.api_server import build_app
 from vllm_rlt.models.tiny import write_tiny_ouro
 
@@ -60,20 +59,11 @@ def _stream_completion(client, **kw):
 
 
 def _metrics(server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return read_metrics(server.url)
 
 
-def _wait_idle(server, timeout=10.0) -> None:
-    kv = server.engine.kv_manager
-    deadline = time.monotonic() + timeout
-    while kv.num_free_blocks != kv.num_total_blocks or server.engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "requests still hold KV blocks"
-        time.sleep(0.02)
+def _wait_idle(server) -> None:
+    wait_idle(server.engine)
 
 
 # ---- completions -----------------------------------------------------------------------------

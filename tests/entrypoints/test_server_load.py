@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import ServerThread, tiny_engine
+from tests.entrypoints.server_utils import ServerThread, read_metrics, tiny_engine, wait_idle
 from vllm_rlt.entrypoints.openai.api_server import build_app
 from vllm_rlt.models.tiny import write_tiny_ouro
 
@@ -26,23 +25,6 @@ def server(tmp_path_factory):
     with ServerThread(build_app(engine, MODEL)) as srv:
         srv.engine = engine
         yield srv
-
-
-def metrics(server) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def wait_idle(server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    kv = server.engine.kv_manager
-    while kv.num_free_blocks != kv.num_total_blocks or server.engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "requests still running or holding KV blocks"
-        time.sleep(0.02)
 
 
 async def stream_text(client, prompt: str, max_tokens: int, stop_after: int | None = None):
@@ -89,8 +71,8 @@ def test_200_concurrent_streams_with_30_percent_disconnects(server):
     for (prompt, stop_after), text in zip(jobs, results, strict=True):
         if stop_after is None:
             assert text == alone[prompt]  # same tokens as when run alone
-    wait_idle(server)
-    m = metrics(server)
+    wait_idle(server.engine)
+    m = read_metrics(server.url)
     assert m["vllm_rlt:num_requests_running"] == 0
     assert m["vllm_rlt:num_free_kv_blocks"] == m["vllm_rlt:num_total_kv_blocks"]
     assert m['vllm_rlt:request_success_total{finished_reason="abort"}'] >= 1
@@ -98,9 +80,9 @@ def test_200_concurrent_streams_with_30_percent_disconnects(server):
 
 
 def test_metrics_counters_agree_with_what_was_sent(server):
-    wait_idle(server)
+    wait_idle(server.engine)
     tok = server.engine.tokenizer
-    before = metrics(server)
+    before = read_metrics(server.url)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     sent_prompt, sent_out = 0, 0
     for i, (prompt, n_out) in enumerate([("import os", 3), ("class A:", 5), ("x = [1, 2]", 2)]):
@@ -113,8 +95,8 @@ def test_metrics_counters_agree_with_what_was_sent(server):
             list(out)
         sent_prompt += len(tok.encode(prompt).ids)
         sent_out += n_out
-    wait_idle(server)
-    after = metrics(server)
+    wait_idle(server.engine)
+    after = read_metrics(server.url)
 
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
