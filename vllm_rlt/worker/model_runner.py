@@ -20,6 +20,7 @@ from vllm_rlt.core.sched.execution_batch import (
     RowKind,
     RunnerOutput,
     SampledToken,
+    StateSpan,
 )
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
@@ -144,22 +145,18 @@ class ModelRunner:
             starts.append(t.token_start)
             counts.append(t.num_tokens)
             tables.append(m.block_tables[depth if self.num_planes > 1 else 0])
-            if t.kind is RowKind.DECODE:
-                rows.append(np.array([self.states.decode_row(m.slot)]))
-                if depth == 0:
-                    decode_rows.append(row)
-                    decode_reqs.append(t.request_id)
-            else:
-                rows.append(
-                    self.states.ring_row(m.slot, self._offset(t, m)) + np.arange(t.num_tokens)
-                )
-                end = t.token_start + t.num_tokens
-                if depth == 0:
-                    prompt_rows.extend(range(row, row + t.num_tokens))
-                    prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
-                if depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
-                    done_src.append(row + t.num_tokens - 1)
-                    done_dst.append(self.states.decode_row(m.slot))
+            rows.append(self._rows(t.state_span(), m))
+            end = t.token_start + t.num_tokens
+            prefill = t.kind is RowKind.PREFILL
+            if depth == 0 and prefill:
+                prompt_rows.extend(range(row, row + t.num_tokens))
+                prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
+            elif depth == 0:
+                decode_rows.append(row)
+                decode_reqs.append(t.request_id)
+            if prefill and depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
+                done_src.append(row + t.num_tokens - 1)
+                done_dst.append(self.states.decode_row(m.slot))
             row += t.num_tokens
         meta = build_attention_metadata(
             starts, counts, tables, self.kv_cache.block_size, self.device, TILE_ROWS
@@ -179,10 +176,13 @@ class ModelRunner:
             self.states.buffer[torch.tensor(done_dst, device=self.device)] = out[src]
         return gate
 
-    @staticmethod
-    def _offset(task, mirror: _Mirror) -> int:
-        """The task's ring row offset; derived on the chunk grid when the plan leaves it None."""
-        if task.prefill_hidden_row_offset is not None:
-            return task.prefill_hidden_row_offset
-        c, slots = mirror.data.chunk_size, mirror.data.ring_slots
-        return (task.token_start // c) % slots * c + task.token_start % c
+    def _rows(self, span: StateSpan, mirror: _Mirror) -> np.ndarray:
+        """Flat hidden-state rows of a span: past the prompt, the request's decode row; in the
+        prompt, ring rows from the span's offset (derived on the chunk grid when None)."""
+        if span.token_start >= len(mirror.data.prompt_token_ids):
+            return np.array([self.states.decode_row(mirror.slot)])
+        offset = span.prefill_hidden_row_offset
+        if offset is None:
+            c, slots = mirror.data.chunk_size, mirror.data.ring_slots
+            offset = (span.token_start // c) % slots * c + span.token_start % c
+        return self.states.ring_row(mirror.slot, offset) + np.arange(span.num_tokens)

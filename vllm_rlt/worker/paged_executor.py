@@ -92,10 +92,6 @@ class PagedExecutor:
         out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
         return LoopOutput(out, gate)
 
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.coda(hidden)
-
     def exit(self, req_id: str, positions: Sequence[int], exit_depths: Sequence[int]) -> None:
         """Tokens at `positions` stop after 0-based depth `exit_depths[i]`: fill skipped planes."""
         pairs = [

@@ -31,6 +31,11 @@ class ScheduledRequest:
     # the chunk); None = the runner derives it from token_start on the chunk grid
     prefill_hidden_row_offset: int | None = None
 
+    def state_span(self) -> StateSpan:
+        """Where these rows' hidden state lives (decode rows: the request's decode row)."""
+        offset = self.prefill_hidden_row_offset if self.kind is RowKind.PREFILL else None
+        return StateSpan(self.request_id, self.token_start, self.num_tokens, offset)
+
 
 @dataclass(frozen=True)
 class StateSpan:
@@ -39,7 +44,9 @@ class StateSpan:
     request_id: str  # owner of the rows
     token_start: int  # first position
     num_tokens: int  # rows
-    prefill_hidden_row_offset: int | None  # ring row of token_start; None for decode rows
+    # ring row of token_start for prompt rows (None: derived on the chunk grid); rows past the
+    # prompt live in the request's decode row
+    prefill_hidden_row_offset: int | None
 
 
 @dataclass(frozen=True)
@@ -73,9 +80,6 @@ class ExecutionBatch:
     @property
     def num_rows(self) -> int:
         return sum(r.num_tokens for r in self.requests)
-
-    def is_empty(self) -> bool:
-        return not (self.requests or self.sample_req_ids)
 
     def live(self, invocation: int, num_loops: int) -> tuple[ScheduledRequest, ...]:
         """Tasks with rows in invocation `invocation` (0-based) of a depth-`num_loops` model:
