@@ -66,16 +66,16 @@ class ModelRunner:
             pairs = torch.tensor(batch.kv_copies, device=self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled_ids, sampled = self._sample(batch.sample_req_ids)
-        first_gates = None
+        gates0 = None  # gate logits of invocation 0, the only one with decode rows
         for i in range(batch.loop_count):
             gates = self._invoke(batch, i, sampled_ids)
             if gates is None:
                 break
-            first_gates = gates if i == 0 else first_gates
-        # decode rows exist only in one-loop batches; their gates come from invocation 0
+            if i == 0:
+                gates0 = gates
         starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
         decode_rows = [starts[j] for j, t in enumerate(batch.requests) if t.kind is RowKind.DECODE]
-        decode_gates = first_gates[decode_rows].tolist() if decode_rows else []
+        decode_gates = gates0[decode_rows].tolist() if decode_rows else []
         return RunnerOutput(sampled=sampled(), decode_gate_logits=tuple(decode_gates))
 
     def _sync_mirrors(self, batch: ExecutionBatch) -> None:
@@ -90,10 +90,11 @@ class ModelRunner:
             self.reqs[req_id].block_tables = tables
 
     def _sample(self, req_ids: tuple[str, ...]):
-        """Coda + sampling for `req_ids`; returns the sampled ids (device, by request) and a
-        callable that converts them to host results (the step's one read-back)."""
+        """Coda + sampling for `req_ids`; returns (sampled token ids [N] on the device, index of
+        each request in them) and a callable that converts them to host results (the step's one
+        read-back)."""
         if not req_ids:
-            return {}, dict
+            return (None, {}), dict
         mirrors = [self.reqs[r] for r in req_ids]
         rows = torch.tensor([self.states.decode_row(m.slot) for m in mirrors], device=self.device)
         logits = self.model.coda(self.states.buffer[rows])
@@ -126,7 +127,7 @@ class ModelRunner:
                     result[r] = SampledToken(ids[i], lps[i][0], top)
             return result
 
-        return {r: out.token_ids[i] for r, i in by_req.items()}, to_host
+        return (out.token_ids, by_req), to_host
 
     def _invoke(self, batch: ExecutionBatch, i: int, sampled_ids) -> torch.Tensor | None:
         """Invocation `i` of the batch over its live rows (rows in plan order); returns their
@@ -166,7 +167,9 @@ class ModelRunner:
         if prompt_rows or decode_rows:
             tokens = torch.tensor(prompt_tokens, dtype=torch.long, device=self.device)
             if decode_reqs:
-                tokens = torch.cat([tokens, torch.stack([sampled_ids[r] for r in decode_reqs])])
+                sampled_tokens, position_of = sampled_ids
+                pick = torch.tensor([position_of[r] for r in decode_reqs], device=self.device)
+                tokens = torch.cat([tokens, sampled_tokens[pick]])
             entry = torch.tensor(prompt_rows + decode_rows, device=self.device)
             hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
         out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
