@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -64,8 +65,9 @@ def _corpus() -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with the Ouro special tokens at ids 0, 1, 2."""
+def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Tokenizer:
+    """A byte-level BPE with the Ouro special tokens at ids 0, 1, 2, trained on `texts`
+    (default: docstrings of a few standard-library modules)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -75,7 +77,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus() if texts is None else texts, trainer)
     return tok
 
 
