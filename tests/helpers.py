@@ -21,10 +21,13 @@ def tiny_model(
     dtype: torch.dtype = torch.float32,
     backend: str = "torch",
     device: str = "cpu",
+    layer_kernels: str = "auto",
     **overrides,
 ) -> OuroForCausalLM:
     with torch.device(device):
-        model = OuroForCausalLM(tiny_config(**overrides), attention_backend=backend)
+        model = OuroForCausalLM(
+            tiny_config(**overrides), attention_backend=backend, layer_kernels=layer_kernels
+        )
     init_random_weights(model, seed)
     return model.to(dtype).eval().requires_grad_(False)
 

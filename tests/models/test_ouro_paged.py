@@ -1,6 +1,8 @@
 """The paged Ouro (prelude / recurrent core / coda over paged depth-aware KV) against the dense
 reference at every depth: whole prompts, chunked prompts, incremental decode with exits, and
-random invocations that mix requests, depths and positions. fp32 on CPU; both attention backends.
+random invocations that mix requests, depths and positions. fp32 on CPU; both attention backends;
+both layer-kernel paths ("auto" is torch on CPU and fused on CUDA; "fused" on CPU runs the Triton
+kernels under the interpreter).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ def check_against_reference(model, ids, states, gates, loops=None, layout="last_
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "backend,chunk",
-    [("torch", c) for c in (None, 1, 3, 16)] + [("triton", c) for c in (None, 3, 16)],
+    "backend,chunk,kernels",
+    [("torch", c, "auto") for c in (None, 1, 3, 16)]
+    + [("triton", c, "auto") for c in (None, 3, 16)]
+    + [("torch", 3, "fused"), ("triton", 16, "fused")],
 )
 @pytest.mark.parametrize("heads", [MHA, GQA], ids=["mha", "gqa"])
-def test_prompt_all_depths_in_chunks(device, backend, chunk, heads):
-    model = tiny_model(seed=1, backend=backend, device=device, **heads)
+def test_prompt_all_depths_in_chunks(device, backend, chunk, kernels, heads):
+    model = tiny_model(seed=1, backend=backend, device=device, layer_kernels=kernels, **heads)
     ids = random.Random(0).choices(range(model.config.vocab_size), k=37)
     ex = PagedExecutor.create(model, num_blocks=64, block_size=4)
     states, gates = ex.prefill_all_depths("a", ids, chunk)
@@ -52,10 +56,11 @@ def test_prompt_all_depths_in_chunks(device, backend, chunk, heads):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_incremental_decode_with_exits(device, backend):
+@pytest.mark.parametrize("kernels", ["auto", "fused"])
+def test_incremental_decode_with_exits(device, backend, kernels):
     """Prefill, then decode tokens one at a time, each stopping after its own number of loops;
     the skipped-depth copy makes later tokens read min(d, exit depth)."""
-    model = tiny_model(seed=2, backend=backend, device=device, **GQA)
+    model = tiny_model(seed=2, backend=backend, device=device, layer_kernels=kernels, **GQA)
     prompt = [3, 14, 15, 92, 65, 35, 89]
     decode = [79, 32, 38, 46, 26, 43]
     decode_loops = [2, 4, 1, 3, 1, 4]
@@ -91,18 +96,22 @@ def random_requests(rng: random.Random, num: int, vocab: int, exits: bool) -> li
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "backend,layout,seed",
-    [("torch", "last_exited", s) for s in range(6)]
-    + [("torch", "shared", s) for s in range(3)]
-    + [("triton", "last_exited", 0), ("triton", "last_exited", 1), ("triton", "shared", 0)],
+    "backend,layout,seed,kernels",
+    [("torch", "last_exited", s, "auto") for s in range(6)]
+    + [("torch", "shared", s, "auto") for s in range(3)]
+    + [("triton", "last_exited", s, "auto") for s in (0, 1)]
+    + [("triton", "shared", 0, "auto")]
+    + [("triton", "last_exited", 1, "fused")],
 )
-def test_mixed_invocations_match_reference(device, backend, layout, seed):
+def test_mixed_invocations_match_reference(device, backend, layout, seed, kernels):
     """Random dependency-valid invocations mixing requests, depths and positions (with early
     exits) reproduce the reference's LAST_EXITED or SHARED history for every request."""
     rng = random.Random(seed)
     dtype = torch.float64 if layout == "shared" else torch.float32
     heads = GQA if seed % 2 else MHA
-    model = tiny_model(seed=seed, backend=backend, dtype=dtype, device=device, **heads)
+    model = tiny_model(
+        seed=seed, backend=backend, dtype=dtype, device=device, layer_kernels=kernels, **heads
+    )
     reqs = random_requests(rng, num=4, vocab=model.config.vocab_size, exits=True)
     ex = PagedExecutor.create(
         model, num_blocks=512, block_size=rng.choice([1, 4, 8]), layout=layout
@@ -133,12 +142,17 @@ def test_reused_blocks_do_not_leak_previous_kv():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_differs_from_fp32_only_by_bf16_rounding(device, backend):
+@pytest.mark.parametrize(
+    "backend,kernels", [("torch", "auto"), ("triton", "auto"), ("triton", "fused")]
+)
+def test_bf16_differs_from_fp32_only_by_bf16_rounding(device, backend, kernels):
     """bf16 has no exact oracle. The budget is the error the dense reference itself makes when
-    run in bf16 (same bf16 weights, compared with fp32 arithmetic): the paged model, chunked and
-    on either backend, must stay within twice that (it rounds at different places)."""
-    model = tiny_model(seed=4, backend=backend, device=device, dtype=torch.bfloat16, **GQA)
+    run in bf16 (same bf16 weights, compared with fp32 arithmetic): the paged model, chunked, on
+    either backend and either layer-kernel path, must stay within twice that (it rounds at
+    different places)."""
+    model = tiny_model(
+        seed=4, backend=backend, device=device, dtype=torch.bfloat16, layer_kernels=kernels, **GQA
+    )
     fp32 = tiny_model(seed=4, device=device, dtype=torch.bfloat16, **GQA).float()
     ids = random.Random(4).choices(range(model.config.vocab_size), k=37)
     states, gates = PagedExecutor.create(model, 64, 4).prefill_all_depths("a", ids, 8)

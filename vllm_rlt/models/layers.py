@@ -1,6 +1,9 @@
-"""Building blocks shared by the looped models: RMSNorm, rotary embedding, SwiGLU MLP.
+"""Building blocks shared by the looped models: RMSNorm, rotary embedding, SwiGLU MLP, and the
+base of modules whose HF-named linears also run as one fused GEMM.
 
 Each layer works on packed rows (`[num_rows, ...]`); nothing here knows about requests or depths.
+These modules are plain torch (the trainer in tools/ backpropagates through them); the engine's
+fused Triton path lives in `vllm_rlt.models.layer_kernels`.
 """
 
 from __future__ import annotations
@@ -76,3 +79,37 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusesLinears(nn.Module):
+    """Base of modules whose sibling linears (one input, no bias) also run as a single GEMM.
+
+    `fused_linears` maps an attribute name to child `nn.Linear` names in output order. `_fuse()`
+    stores under that attribute one weight [sum of out_features, in_features] and makes each
+    linear's `weight` a view into it: checkpoints still load, save and initialise by their HF
+    names, the fused GEMM reads the same memory, and nothing is stored twice. `Module.to()`,
+    `.cuda()` and `.float()` convert parameters one at a time (leaving separate tensors), so
+    `_apply` fuses again after them. Other ways of replacing the weights
+    (`load_state_dict(assign=True)`, `copy.deepcopy`) leave the fused weight stale.
+    """
+
+    fused_linears: dict[str, tuple[str, ...]] = {}
+
+    def _fuse(self) -> None:
+        for name, parts in self.fused_linears.items():
+            linears = [getattr(self, part) for part in parts]
+            fused = getattr(self, name, None)
+            storage = None if fused is None else fused.untyped_storage().data_ptr()
+            if all(lin.weight.untyped_storage().data_ptr() == storage for lin in linears):
+                continue  # the views survived (a conversion that changed nothing)
+            with torch.no_grad():
+                fused = torch.cat([lin.weight for lin in linears])
+            views = fused.split([lin.out_features for lin in linears])
+            for lin, view in zip(linears, views, strict=True):
+                lin.weight.data = view
+            setattr(self, name, fused)  # a plain attribute: not a parameter, not in state_dict
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._fuse()
+        return self

@@ -3,7 +3,9 @@
 `prelude` embeds tokens, `recurrent_core` runs one loop (all shared layers, the end-of-loop norm
 and the exit-gate logit) for rows that may each sit at their own position, depth and request,
 and `coda` is the LM head. Maths per docs MODELS.md §1.3; parameter names match the HF
-checkpoint exactly so the loader maps tensors one to one.
+checkpoint exactly so the loader maps tensors one to one (q/k/v and gate/up weights are views
+into fused weights, see `layers.FusesLinears`). The element-wise work runs through a
+`LayerKernels` strategy: torch ops, or fused projections and Triton kernels (CUDA default).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, acc_dtype
+from vllm_rlt.models.layer_kernels import LAYER_KERNELS, LayerKernels, get_layer_kernels
+from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP, acc_dtype
 
 
 class UnsupportedConfigError(ValueError):
@@ -100,7 +103,11 @@ class OuroConfig:
             raise UnsupportedConfigError(f"total_ut_steps={self.total_ut_steps} must be >= 1")
 
 
-class OuroAttention(nn.Module):
+class OuroAttention(FusesLinears):
+    """Attention with HF-named q/k/v/o projections; `qkv_weight` [(Hq + 2 Hkv) d, H] fuses q/k/v."""
+
+    fused_linears = {"qkv_weight": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, config: OuroConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -112,6 +119,7 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.backend = backend
+        self._fuse()
 
     def forward(
         self,
@@ -120,15 +128,22 @@ class OuroAttention(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        kernels: LayerKernels,
     ) -> torch.Tensor:
-        """rope: this invocation's tables from `RotaryEmbedding.tables`."""
-        rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(rope, q), RotaryEmbedding.apply(rope, k)
+        """x: [R, H] normed block input; rope: this invocation's `RotaryEmbedding.tables`."""
+        q, k, v = kernels.qkv(self, x, rope)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
-        return self.o_proj(out.reshape(rows, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class OuroMLP(FusesLinears, SwiGLUMLP):
+    """SwiGLU whose gate/up weights are views into `gate_up_weight` [2 I, H]."""
+
+    fused_linears = {"gate_up_weight": ("gate_proj", "up_proj")}
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__(hidden_size, intermediate_size)
+        self._fuse()
 
 
 class OuroDecoderLayer(nn.Module):
@@ -138,17 +153,32 @@ class OuroDecoderLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = OuroAttention(config, backend)
-        self.mlp = SwiGLUMLP(h, config.intermediate_size)
+        self.mlp = OuroMLP(h, config.intermediate_size)
         self.input_layernorm = RMSNorm(h, eps)
         self.input_layernorm_2 = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm_2 = RMSNorm(h, eps)
 
-    def forward(self, h, rope, meta, k_cache, v_cache) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), rope, meta, k_cache, v_cache)
-        h = h + self.input_layernorm_2(attn)
-        mlp = self.mlp(self.post_attention_layernorm(h))
-        return h + self.post_attention_layernorm_2(mlp)
+    def forward(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        next_norm: RMSNorm,
+        rope: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        kernels: LayerKernels,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [R, H] residual stream entering the layer; x: [R, H] = input_layernorm(h).
+
+        Returns (h leaving the layer, next_norm of it): the norm that follows a layer (the next
+        layer's input norm, or the end-of-loop norm) runs in the same step as the residual add.
+        """
+        attn = self.self_attn(x, rope, meta, k_cache, v_cache, kernels)
+        h, x = kernels.add_norm(h, attn, self.input_layernorm_2, self.post_attention_layernorm)
+        mlp = kernels.swiglu(self.mlp, x)
+        return kernels.add_norm(h, mlp, self.post_attention_layernorm_2, next_norm)
 
 
 class OuroModel(nn.Module):
@@ -168,8 +198,18 @@ class OuroForCausalLM(nn.Module):
     # capabilities the engine checks at startup
     requires_atomic_prefill = False  # Ouro's prefill may split between depths (split, WCPB)
 
-    def __init__(self, config: OuroConfig, attention_backend: str | AttentionBackend = "torch"):
+    def __init__(
+        self,
+        config: OuroConfig,
+        attention_backend: str | AttentionBackend = "torch",
+        layer_kernels: str = "auto",
+    ):
         super().__init__()
+        if layer_kernels not in LAYER_KERNELS:
+            raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {layer_kernels!r}")
+        # which LayerKernels run the layers: "auto" (fused on CUDA, torch elsewhere), "torch"
+        # or "fused" (tests and benchmarks pick one)
+        self.layer_kernels = layer_kernels
         backend = (
             get_attention_backend(attention_backend)
             if isinstance(attention_backend, str)
@@ -201,16 +241,19 @@ class OuroForCausalLM(nn.Module):
         `kv.layer(i)` gives layer i's (k_cache, v_cache); the metadata says which plane and
         positions each row writes and reads.
         """
-        h = hidden
+        kernels = get_layer_kernels(self.layer_kernels, hidden.device)
         rope = self.rotary.tables(attn_metadata.positions, hidden.dtype)
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        h, x = hidden, kernels.norm(hidden, layers[0].input_layernorm)
+        for i, (layer, next_norm) in enumerate(zip(layers, next_norms, strict=True)):
             k_cache, v_cache = kv.layer(i)
-            h = layer(h, rope, attn_metadata, k_cache, v_cache)
-        h = self.model.norm(h)
+            h, x = layer(h, x, next_norm, rope, attn_metadata, k_cache, v_cache, kernels)
+        # x is the end-of-loop norm of h (the last layer's next norm)
         gate = self.model.early_exit_gate
-        acc = acc_dtype(h.dtype)  # the gate runs in fp32 (fp64 for an fp64 model)
-        gate_logit = torch.nn.functional.linear(h.to(acc), gate.weight.to(acc), gate.bias.to(acc))
-        return h, gate_logit.squeeze(-1)
+        acc = acc_dtype(x.dtype)  # the gate runs in fp32 (fp64 for an fp64 model)
+        gate_logit = torch.nn.functional.linear(x.to(acc), gate.weight.to(acc), gate.bias.to(acc))
+        return x, gate_logit.squeeze(-1)
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V] (in the model dtype)."""

@@ -1,0 +1,113 @@
+"""How a decoder layer's pieces run: plain torch ops, or fused projections and Triton kernels.
+
+A model calls four operations per layer through one of these strategies:
+
+- `norm(x, norm)`: an RMSNorm;
+- `add_norm(h, y, norm_a, norm_b)`: the sandwich residual step `h + norm_a(y)` and the norm after
+  it, returning both;
+- `qkv(attn, x, rope)`: q, k, v [R, heads, d] of a block input, q and k rotated;
+- `swiglu(mlp, x)`: the MLP.
+
+`torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
+q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
+on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
+`layers.FusesLinears`) and one Triton launch per norm pair, per RoPE and per SwiGLU activation
+(`vllm_rlt.kernels.fused_ops`): the CUDA default. Inference only (no autograd through Triton).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
+
+LAYER_KERNELS = ("auto", "torch", "fused")  # "auto": fused on CUDA, torch elsewhere
+
+
+class LayerKernels(Protocol):
+    name: str
+
+    def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x: [R, H] -> norm(x) [R, H]."""
+        ...
+
+    def add_norm(
+        self, h: torch.Tensor, y: torch.Tensor, norm_a: RMSNorm, norm_b: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h, y: [R, H] -> (out, norm_b(out)) with out = h + norm_a(y)."""
+        ...
+
+    def qkv(
+        self, attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [R, H]; rope: `RotaryEmbedding.tables` -> rotated q [R, Hq, d] and k, and v
+        [R, Hkv, d]."""
+        ...
+
+    def swiglu(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x: [R, H] -> down(silu(gate(x)) * up(x)) [R, H]."""
+        ...
+
+
+class TorchLayerKernels:
+    name = "torch"
+
+    def norm(self, x, norm):
+        return norm(x)
+
+    def add_norm(self, h, y, norm_a, norm_b):
+        out = h + norm_a(y)
+        return out, norm_b(out)
+
+    def qkv(self, attn, x, rope):
+        rows = x.shape[0]
+        q = attn.q_proj(x).view(rows, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(x).view(rows, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(x).view(rows, attn.num_kv_heads, attn.head_dim)
+        return RotaryEmbedding.apply(rope, q), RotaryEmbedding.apply(rope, k), v
+
+    def swiglu(self, mlp, x):
+        return mlp(x)
+
+
+class FusedLayerKernels:
+    name = "fused"
+
+    def __init__(self) -> None:
+        # imported here so the torch path never imports Triton (and TRITON_INTERPRET may be set
+        # by the caller before the first fused call)
+        self.ops = importlib.import_module("vllm_rlt.kernels.fused_ops")
+
+    def norm(self, x, norm):
+        return self.ops.rms_norm(x, norm.weight, norm.eps)
+
+    def add_norm(self, h, y, norm_a, norm_b):
+        return self.ops.add_rms_norm(h, y, norm_a.weight, norm_a.eps, norm_b.weight, norm_b.eps)
+
+    def qkv(self, attn, x, rope):
+        qkv = nn.functional.linear(x, attn.qkv_weight)
+        cos, signed_sin = rope
+        return self.ops.rope_qk_(
+            qkv, cos, signed_sin, attn.num_heads, attn.num_kv_heads, attn.head_dim
+        )
+
+    def swiglu(self, mlp, x):
+        return mlp.down_proj(self.ops.silu_mul(nn.functional.linear(x, mlp.gate_up_weight)))
+
+
+_INSTANCES: dict[str, LayerKernels] = {}
+
+
+def get_layer_kernels(name: str, device: torch.device) -> LayerKernels:
+    """The strategy `name` from LAYER_KERNELS; "auto" picks fused on CUDA, torch elsewhere."""
+    if name not in LAYER_KERNELS:
+        raise ValueError(f"unknown layer kernels {name!r}; choose one of {LAYER_KERNELS}")
+    if name == "auto":
+        name = "fused" if device.type == "cuda" else "torch"
+    if name not in _INSTANCES:
+        _INSTANCES[name] = FusedLayerKernels() if name == "fused" else TorchLayerKernels()
+    return _INSTANCES[name]
