@@ -6,6 +6,7 @@ max_num_seqs = c. Reports request/token throughput, TTFT/TPOT percentiles, and -
 repeat - host time vs GPU kernel time per step and the GPU busy fraction.
 
     python -m benchmarks.offline_throughput --concurrency 1 8 32 --out results.json
+    python -m benchmarks.offline_throughput --concurrency 1 8 32 --enforce-eager --out eager.json
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             scheduling_mode=args.scheduling_mode,
             exit_threshold=1.0,
             kv_cache_memory_gb=args.kv_cache_gb,
+            enforce_eager=args.enforce_eager,
         )
     )
     rng = np.random.default_rng(0)
@@ -154,6 +156,7 @@ def main() -> None:
     p.add_argument("--scheduling-mode", default="mixed")
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     p.add_argument("--profile-steps", type=int, default=40)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager runner)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,10 +34,17 @@ class ModelConfig:
     )
     device: str | None = _help("cpu or cuda (default: cuda when available)", default=None)
     attention_backend: str = _help(
-        "attention implementation: torch (reference) or triton", default="torch"
+        "attention implementation: auto (triton on CUDA, torch on CPU), torch (the reference) "
+        "or triton",
+        default="auto",
     )
     seed: int = _help(
         "seed for dummy weights and for the seeds drawn for requests that give none", default=0
+    )
+    enforce_eager: bool = _help(
+        "run every recurrent-core invocation eagerly: no CUDA graphs (by default decode "
+        "invocations replay graphs captured at start on CUDA with the triton backend)",
+        default=False,
     )
 
 

@@ -14,6 +14,10 @@ class AttentionBackend(Protocol):
     """Writes an invocation's K/V into the paged cache, then attends over it."""
 
     name: str
+    # True when forward launches read the metadata's device tensors and only shape-level host
+    # fields (max_context, tile counts), so a CUDA graph captured over static metadata buffers
+    # stays valid when the buffers change
+    supports_cuda_graphs: bool
 
     def forward(
         self,

@@ -47,6 +47,95 @@ class AttentionMetadata:
         return len(self.seg_token_starts_host)
 
 
+@dataclass(frozen=True)
+class HostMetadata:
+    """The tables of `AttentionMetadata` as int64 numpy arrays, before they go to the device
+    (`upload`); the CUDA-graph runner copies them into its static buffers instead."""
+
+    block_size: int  # KV positions per block
+    tile_rows: int  # rows per kernel tile
+    positions: np.ndarray  # [R]
+    slot_mapping: np.ndarray  # [R]
+    seg_row_starts: np.ndarray  # [S + 1]
+    seg_token_starts: np.ndarray  # [S]
+    block_tables: np.ndarray  # [S, max_blocks]
+    tile_seg: np.ndarray  # [T]
+    tile_row_start: np.ndarray  # [T]
+    tile_num_rows: np.ndarray  # [T]
+    tile_order: np.ndarray  # [T]
+
+    @classmethod
+    def build(
+        cls,
+        token_starts: Sequence[int],
+        num_rows: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        tile_rows: int,
+    ) -> HostMetadata:
+        """The tables for segments given by their first position, row count and block table.
+
+        Each block table must cover the segment's last position.
+        """
+        num_segs = len(token_starts)
+        if not (num_segs == len(num_rows) == len(block_tables)) or num_segs == 0:
+            raise ValueError(
+                "token_starts, num_rows and block_tables must be non-empty and aligned"
+            )
+        starts = np.asarray(token_starts, dtype=np.int64)
+        counts = np.asarray(num_rows, dtype=np.int64)
+        if (counts < 1).any() or (starts < 0).any():
+            raise ValueError("segments need at least one row and a non-negative start position")
+        max_blocks = max(len(bt) for bt in block_tables)
+        tables = np.zeros((num_segs, max_blocks), dtype=np.int64)
+        for i, bt in enumerate(block_tables):
+            tables[i, : len(bt)] = bt
+        ends = starts + counts
+        if ((ends + block_size - 1) // block_size > [len(bt) for bt in block_tables]).any():
+            raise ValueError("a block table does not cover its segment's last position")
+
+        row_starts = np.concatenate([[0], np.cumsum(counts)])
+        row_seg = np.repeat(np.arange(num_segs), counts)
+        positions = starts[row_seg] + np.arange(row_starts[-1]) - row_starts[row_seg]
+        slots = tables[row_seg, positions // block_size] * block_size + positions % block_size
+
+        tiles_per_seg = (counts + tile_rows - 1) // tile_rows
+        tile_seg = np.repeat(np.arange(num_segs), tiles_per_seg)
+        tile_first = np.concatenate([[0], np.cumsum(tiles_per_seg)])[:-1]
+        tile_local = np.arange(tile_seg.shape[0]) - tile_first[tile_seg]
+        tile_row_start = row_starts[tile_seg] + tile_local * tile_rows
+        tile_num_rows = np.minimum(tile_rows, row_starts[tile_seg + 1] - tile_row_start)
+        one_row = tile_num_rows == 1
+        tile_order = np.concatenate([np.flatnonzero(one_row), np.flatnonzero(~one_row)])
+        return cls(
+            block_size, tile_rows, positions, slots, row_starts, starts, tables,
+            tile_seg, tile_row_start, tile_num_rows, tile_order,
+        )  # fmt: skip
+
+    def upload(self, device: torch.device | str) -> AttentionMetadata:
+        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=device, dtype=dtype)
+
+        return AttentionMetadata(
+            block_size=self.block_size,
+            positions=dev(self.positions, torch.int64),
+            slot_mapping=dev(self.slot_mapping, torch.int64),
+            seg_row_starts=dev(self.seg_row_starts, torch.int32),
+            seg_token_starts=dev(self.seg_token_starts, torch.int32),
+            block_tables=dev(self.block_tables, torch.int32),
+            tile_rows=self.tile_rows,
+            tile_seg=dev(self.tile_seg, torch.int32),
+            tile_row_start=dev(self.tile_row_start, torch.int32),
+            tile_num_rows=dev(self.tile_num_rows, torch.int32),
+            seg_row_starts_host=tuple(self.seg_row_starts.tolist()),
+            seg_token_starts_host=tuple(self.seg_token_starts.tolist()),
+            max_context=int(self.positions.max()) + 1,
+            tile_order=dev(self.tile_order, torch.int32),
+            num_one_row_tiles=int((self.tile_num_rows == 1).sum()),
+            max_tile_rows=int(self.tile_num_rows.max()),
+        )
+
+
 def build_attention_metadata(
     token_starts: Sequence[int],
     num_rows: Sequence[int],
@@ -55,57 +144,7 @@ def build_attention_metadata(
     device: torch.device | str,
     tile_rows: int = 16,
 ) -> AttentionMetadata:
-    """Build the tables for segments given by their first position, row count and block table.
-
-    Each block table must cover the segment's last position.
-    """
-    num_segs = len(token_starts)
-    if not (num_segs == len(num_rows) == len(block_tables)) or num_segs == 0:
-        raise ValueError("token_starts, num_rows and block_tables must be non-empty and aligned")
-    starts = np.asarray(token_starts, dtype=np.int64)
-    counts = np.asarray(num_rows, dtype=np.int64)
-    if (counts < 1).any() or (starts < 0).any():
-        raise ValueError("segments need at least one row and a non-negative start position")
-    max_blocks = max(len(bt) for bt in block_tables)
-    tables = np.zeros((num_segs, max_blocks), dtype=np.int64)
-    for i, bt in enumerate(block_tables):
-        tables[i, : len(bt)] = bt
-    ends = starts + counts
-    if ((ends + block_size - 1) // block_size > [len(bt) for bt in block_tables]).any():
-        raise ValueError("a block table does not cover its segment's last position")
-
-    row_starts = np.concatenate([[0], np.cumsum(counts)])
-    row_seg = np.repeat(np.arange(num_segs), counts)
-    positions = starts[row_seg] + np.arange(row_starts[-1]) - row_starts[row_seg]
-    slots = tables[row_seg, positions // block_size] * block_size + positions % block_size
-
-    tiles_per_seg = (counts + tile_rows - 1) // tile_rows
-    tile_seg = np.repeat(np.arange(num_segs), tiles_per_seg)
-    tile_first = np.concatenate([[0], np.cumsum(tiles_per_seg)])[:-1]
-    tile_local = np.arange(tile_seg.shape[0]) - tile_first[tile_seg]
-    tile_row_start = row_starts[tile_seg] + tile_local * tile_rows
-    tile_num_rows = np.minimum(tile_rows, row_starts[tile_seg + 1] - tile_row_start)
-    one_row = tile_num_rows == 1
-    tile_order = np.concatenate([np.flatnonzero(one_row), np.flatnonzero(~one_row)])
-
-    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype)
-
-    return AttentionMetadata(
-        block_size=block_size,
-        positions=dev(positions, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        seg_row_starts=dev(row_starts, torch.int32),
-        seg_token_starts=dev(starts, torch.int32),
-        block_tables=dev(tables, torch.int32),
-        tile_rows=tile_rows,
-        tile_seg=dev(tile_seg, torch.int32),
-        tile_row_start=dev(tile_row_start, torch.int32),
-        tile_num_rows=dev(tile_num_rows, torch.int32),
-        seg_row_starts_host=tuple(int(x) for x in row_starts),
-        seg_token_starts_host=tuple(int(x) for x in starts),
-        max_context=int(ends.max()),
-        tile_order=dev(tile_order, torch.int32),
-        num_one_row_tiles=int(one_row.sum()),
-        max_tile_rows=int(tile_num_rows.max()),
-    )
+    """Build the tables for segments given by their first position, row count and block table
+    (see `HostMetadata.build`) and upload them to `device`."""
+    host = HostMetadata.build(token_starts, num_rows, block_tables, block_size, tile_rows)
+    return host.upload(device)

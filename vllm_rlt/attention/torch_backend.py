@@ -14,6 +14,7 @@ from vllm_rlt.models.layers import acc_dtype
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_cuda_graphs = False  # loops over the metadata's host copies
 
     def forward(
         self,

@@ -14,10 +14,11 @@ from vllm_rlt.kernels.paged_attention import paged_attention, write_kv_cache
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         # KV splits per tile; None picks them per call from the grid size and the max context
-        # (a CUDA-graph runner that captures per row bucket may want to fix it).
+        # (under CUDA graphs both are fixed per row bucket, so the choice is too).
         self.num_splits = num_splits
 
     def forward(

@@ -23,6 +23,7 @@ from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.cuda_graph import DecodeGraphRunner, graphs_supported
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.model_runner import ModelRunner
 
@@ -72,12 +73,17 @@ class LLMEngine:
         )
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
+        graphs = None
+        if not mc.enforce_eager and graphs_supported(self.model):
+            max_context = min(c.max_position_embeddings, self.kv_manager.max_tokens_per_request())
+            graphs = DecodeGraphRunner(self.model, kv_cache, sc.max_num_seqs, max_context)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
             self.kv_manager.num_planes,
             sc.max_num_seqs,
             self.scheduler.planner.ring_slots * self.scheduler.planner.chunk_size,
+            graphs,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self._seeds = random.Random(mc.seed)  # seeds for requests that give none

@@ -62,14 +62,18 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     load_format: str = "auto",
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     seed: int = 0,
 ) -> LoadedModel:
+    """Build the model on `device` (default: CUDA when available) and read its weights.
+    `attention_backend="auto"` picks triton on CUDA and torch on the CPU."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, device)
+    if attention_backend == "auto":
+        attention_backend = "triton" if device.type == "cuda" else "torch"
     config = read_config(model_dir)
     _, model_cls = registry.resolve(config.model_type)
     with torch.device(device):

@@ -1,7 +1,9 @@
 """Device KV tensors: one tensor holds K and V of every layer for every physical block.
 
-Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; block ids come from the
-host-side `KVCacheManager`, which also computes the slots of the skipped-depth copy.
+Layout `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`; block ids come from
+the host-side `KVCacheManager` (which also computes the slots of the skipped-depth copy). The extra
+last block is the scratch block: the manager's pool of `num_blocks` never hands it out, and padding
+rows of a CUDA-graph invocation write and read only it.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ class DeviceKVCache:
         device: torch.device | str,
     ):
         self.block_size = block_size
+        self.scratch_block = num_blocks  # never in a block table: padding rows use it
         self.kv = torch.zeros(
             num_layers,
             2,
-            num_blocks,
+            num_blocks + 1,
             block_size,
             num_kv_heads,
             head_dim,

@@ -3,7 +3,8 @@
 It mirrors what it needs of each request from the plans (prompt, block tables, sampling
 settings, hidden-state slot) and never reads the scheduler's `Request`. A step applies the
 skipped-depth KV copies, samples the requests the plan names (coda of their state), then runs
-`loop_count` recurrent-core invocations, each one gathered call over all live rows.
+`loop_count` recurrent-core invocations, each one gathered call over all live rows: replayed as a
+CUDA graph when every segment is one row (decode, `worker/cuda_graph.py`), eagerly otherwise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm_rlt.core.sched.execution_batch import (
     SampledToken,
     StateSpan,
 )
+from vllm_rlt.worker.cuda_graph import DecodeGraphRunner
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
@@ -47,8 +49,11 @@ class ModelRunner:
         num_planes: int,
         max_num_seqs: int,
         max_ring_rows: int,
+        graphs: DecodeGraphRunner | None = None,
     ):
+        """`graphs`: runs one-row-segment invocations over static buffers (None: all eager)."""
         self.model = model
+        self.graphs = graphs
         self.kv_cache = kv_cache
         self.num_planes = num_planes
         self.num_loops = model.num_loops
@@ -159,11 +164,7 @@ class ModelRunner:
                 done_src.append(row + t.num_tokens - 1)
                 done_dst.append(self.states.decode_row(m.slot))
             row += t.num_tokens
-        meta = build_attention_metadata(
-            starts, counts, tables, self.kv_cache.block_size, self.device, TILE_ROWS
-        )
-        index = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        hidden = self.states.buffer[index]
+        static, meta, index, hidden = self._core_inputs(starts, counts, tables, rows)
         if prompt_rows or decode_rows:
             tokens = torch.tensor(prompt_tokens, dtype=torch.long, device=self.device)
             if decode_reqs:
@@ -172,12 +173,29 @@ class ModelRunner:
                 tokens = torch.cat([tokens, sampled_tokens[pick]])
             entry = torch.tensor(prompt_rows + decode_rows, device=self.device)
             hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
-        out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
+        if static is None:
+            out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
+        else:
+            out, gate = self.graphs.run(static)
         self.states.buffer[index] = out
         if done_src:
             src = torch.tensor(done_src, device=self.device)
             self.states.buffer[torch.tensor(done_dst, device=self.device)] = out[src]
         return gate
+
+    def _core_inputs(self, starts, counts, tables, rows: list[np.ndarray]):
+        """Metadata and gathered input rows of an invocation: in the graph runner's static
+        buffers when it admits the invocation, else freshly built. Returns (the static
+        invocation or None, metadata, state-row index [R], input hidden [R, H])."""
+        state_rows = np.concatenate(rows)
+        buffer = self.states.buffer
+        static = self.graphs and self.graphs.prepare(starts, counts, tables, state_rows, buffer)
+        if static is not None:
+            return static, static.meta, static.index, static.hidden
+        block_size = self.kv_cache.block_size
+        meta = build_attention_metadata(starts, counts, tables, block_size, self.device, TILE_ROWS)
+        index = torch.from_numpy(state_rows).to(self.device)
+        return None, meta, index, buffer[index]
 
     def _rows(self, span: StateSpan, mirror: _Mirror) -> np.ndarray:
         """Flat hidden-state rows of a span: past the prompt, the request's decode row; in the
