@@ -33,12 +33,12 @@ def test_exit_distribution_matches_the_definition():
     assert torch.allclose(cdf[-1], torch.tensor(1.0, dtype=torch.float64))
 
 
-def test_console_script_builds_a_tiny_model_when_none_is_given():
+def test_console_script_inspects_the_packaged_model_when_none_is_given():
     result = subprocess.run(
         [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "inspect", "--prompt", "hello"],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert "built a tiny random Ouro" in result.stdout
+    assert "tiny-ouro-stdlib (ouro, 4 loops" in result.stdout
     assert "loop 4:" in result.stdout

@@ -4,18 +4,18 @@ Run from anywhere (the repository root is put on sys.path):
 
     python tools/train_tiny_ouro.py --out DIR [--steps N] [--device cuda] ...
 
-Corpus: the `*.py` files of the running interpreter's standard library
-(`sysconfig.get_paths()["stdlib"]`), without site-packages and without any directory named
-`test*`/`idle_test`. A file is held out when `crc32(relative path) % 100 < 5` (~5%), so the split
-does not depend on the machine or on the order files are listed. Documents are joined with
-`<|endoftext|>` (id 0). The tokenizer is a byte-level BPE trained on the training split only.
+Corpus and split: `tools/stdlib_corpus.py` (the standard library's source, held-out and
+validation files chosen by a hash of their path). Validation loss every `--eval-every` stage-1
+steps selects the weights kept (the corpus is small: later steps overfit); the held-out files are
+only used for the report. The tokenizer is a byte-level BPE trained on the training split only.
 
-Model: the Ouro architecture of docs MODELS.md §1.3 (sandwich RMSNorms with fp32 statistics,
-split-half RoPE, SwiGLU, `model.norm` after every loop, the exit gate on the normed state) as a
-dense batched causal forward, with parameters under the HF checkpoint names so the engine's loader
-reads the export. The test suite checks it against `DenseOuroReference` per loop.
+Shape (the defaults): one shared layer applied 4 times, hidden 384, vocab 8192 (8.2M
+parameters). With 2-4 layers per loop, one pass already reached what this small corpus supports
+and further loops did not lower held-out perplexity (docs/models/tiny-ouro-stdlib/README.md).
 
-Objective (the Ouro paper's two stages, MODELS.md §1.5; my own implementation):
+Model and objectives: `tools/looped_lm.py`.
+
+Training (the Ouro paper's two stages, MODELS.md §1.5; my own implementation):
 - Stage 1 (`--steps`): with λ_t = σ(g_t), the exit distribution p_t = λ_t Π_{j<t}(1-λ_j) and
   p_D = Π_{j<D}(1-λ_j); loss = mean over tokens of Σ_t p_t·L_t − β·H(p), L_t the next-token
   cross-entropy of loop t. The entropy term keeps the gate from collapsing onto one loop early.
@@ -43,246 +43,35 @@ import contextlib
 import json
 import math
 import sys
-import sysconfig
 import time
-import zlib
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vllm_rlt.models.layers import RMSNorm, SwiGLUMLP
+from tools.looped_lm import (
+    TrainOuro,
+    exit_steps,
+    init_weights,
+    per_loop_losses,
+    stage1_loss,
+    stage2_loss,
+)
+from tools.stdlib_corpus import EOS_ID, SPLITS, load_corpus, token_stream
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.models.tiny import SPECIAL_TOKENS, save_checkpoint, train_tokenizer
 
-EOS_ID = 0  # <|endoftext|>, also the document separator
-HELD_OUT_PERCENT = 5
-THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
-RECOMMEND_TOLERANCE = 0.02  # relative perplexity increase allowed for the recommended threshold
-GATE_SHARPNESS = 100.0  # k in the stage-2 target σ(k·(I_t − margin))
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+RECOMMEND_TOLERANCE = 0.01  # relative perplexity increase allowed for the recommended threshold
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-# ----------------------------------------------------------------------------- corpus
-
-
-def stdlib_files() -> tuple[Path, list[str]]:
-    """The stdlib root and the sorted relative paths of its non-test *.py files."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    rel = []
-    for path in root.rglob("*.py"):
-        parts = path.relative_to(root).parts
-        dirs = parts[:-1]
-        if any(d == "site-packages" or d.startswith("test") or d == "idle_test" for d in dirs):
-            continue
-        rel.append("/".join(parts))
-    return root, sorted(rel)
-
-
-def is_held_out(rel_path: str) -> bool:
-    return zlib.crc32(rel_path.encode()) % 100 < HELD_OUT_PERCENT
-
-
-def load_corpus(max_train_files: int | None) -> tuple[list[str], list[str], dict]:
-    """(train texts, held-out texts, a description for the card)."""
-    root, files = stdlib_files()
-    train = [f for f in files if not is_held_out(f)]
-    held = [f for f in files if is_held_out(f)]
-    if max_train_files is not None:
-        train = train[:max_train_files]
-        held = held[: max(2, max_train_files // 10)]
-
-    def read(rel: str) -> str:
-        return (root / rel).read_text(encoding="utf-8", errors="replace")
-
-    info = {
-        "stdlib": str(root),
-        "python": sys.version.split()[0],
-        "num_train_files": len(train),
-        "num_held_out_files": len(held),
-        "split_rule": f"crc32(relative path) % 100 < {HELD_OUT_PERCENT} -> held out",
-    }
-    return [read(f) for f in train], [read(f) for f in held], info
-
-
-def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
-    """All documents as one int64 stream, each preceded by <|endoftext|>."""
-    ids: list[int] = []
-    for enc in tokenizer.encode_batch(texts):
-        ids.append(EOS_ID)
-        ids.extend(enc.ids)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-# ----------------------------------------------------------------------------- model
-
-
-def rope_tables(config: OuroConfig, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [T, head_dim] fp32 for positions 0..T-1 (split-half layout)."""
-    d = config.head_dim
-    inv_freq = config.rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
-    ang = (torch.arange(seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq).float()
-    return torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, d]; the tables are cast to x's dtype, as in the HF reference."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: OuroConfig):
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            d,
-        )
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, H] -> [B, T, H], causal."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: OuroConfig):
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(config)
-        self.mlp = SwiGLUMLP(h, config.intermediate_size)
-        self.input_layernorm = RMSNorm(h, eps)
-        self.input_layernorm_2 = RMSNorm(h, eps)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.post_attention_layernorm_2 = RMSNorm(h, eps)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), cos, sin))
-        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
-
-
-class Backbone(nn.Module):
-    def __init__(self, config: OuroConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.early_exit_gate = nn.Linear(config.hidden_size, 1, bias=True)
-
-
-class TrainOuro(nn.Module):
-    """Dense batched Ouro for training; `named_parameters()` are the HF checkpoint names."""
-
-    def __init__(self, config: OuroConfig):
-        super().__init__()
-        if config.tie_word_embeddings:
-            raise ValueError("the trainer writes an untied lm_head")
-        self.config = config
-        self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def states(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """ids: [B, T] -> the normed state after each loop, D tensors of [B, T, H]."""
-        cos, sin = rope_tables(self.config, ids.shape[1], ids.device)
-        h, out = self.model.embed_tokens(ids), []
-        for _ in range(self.config.num_loops):
-            for layer in self.model.layers:
-                h = layer(h, cos, sin)
-            h = self.model.norm(h)
-            out.append(h)
-        return out
-
-    def gate_logits(self, state: torch.Tensor) -> torch.Tensor:
-        """state: [..., H] -> exit-gate logit [...] in fp32 (also under autocast)."""
-        gate = self.model.early_exit_gate
-        with torch.autocast(state.device.type, enabled=False):
-            return F.linear(state.float(), gate.weight.float(), gate.bias.float()).squeeze(-1)
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids: [B, T] -> (logits [D, B, T, V], gate logits [D, B, T] fp32)."""
-        states = self.states(ids)
-        logits = torch.stack([self.lm_head(s) for s in states])
-        return logits, torch.stack([self.gate_logits(s) for s in states])
-
-
-@torch.no_grad()
-def init_weights(model: TrainOuro, seed: int) -> None:
-    """N(0, 0.02) matrices, unit norms, gate bias -1 (λ ≈ 0.27: mass spread over all loops)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name == "model.early_exit_gate.bias":
-            p.fill_(-1.0)
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-
-
-# ----------------------------------------------------------------------------- objective
-
-
-def log_exit_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
-    """gate_logits: [D, ...] -> log p_t [D, ...], p_t = λ_t Π_{j<t}(1-λ_j), last = remainder."""
-    log_exit = F.logsigmoid(gate_logits[:-1].float())
-    log_stay = F.logsigmoid(-gate_logits[:-1].float())
-    zero = torch.zeros_like(log_stay[:1])
-    log_survive = torch.cat([zero, log_stay.cumsum(0)])  # log Π_{j<t}(1-λ_j), t = 0..D-1
-    return torch.cat([log_exit + log_survive[:-1], log_survive[-1:]])
-
-
-def per_loop_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits [D, B, T, V], targets [B, T] -> next-token cross-entropy L_t [D, B, T] fp32."""
-    num_loops = logits.shape[0]
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    ce = F.cross_entropy(flat, targets.reshape(-1).repeat(num_loops), reduction="none")
-    return ce.view(num_loops, *targets.shape)
-
-
-def stage1_loss(losses: torch.Tensor, gate_logits: torch.Tensor, beta: float):
-    """losses, gate_logits: [D, ...] -> (mean Σ_t p_t L_t − β H(p), mean entropy)."""
-    log_p = log_exit_distribution(gate_logits)
-    p = log_p.exp()
-    entropy = -(p * log_p).sum(0)
-    return (p * losses).sum(0).mean() - beta * entropy.mean(), entropy.mean()
-
-
-def stage2_loss(losses: torch.Tensor, gate_logits: torch.Tensor, margin: float) -> torch.Tensor:
-    """BCE of λ_t against the soft target 'loop t+1 improves the loss by less than margin'."""
-    improvement = losses[:-1] - losses[1:]
-    exit_target = 1.0 - torch.sigmoid(GATE_SHARPNESS * (improvement - margin))
-    return F.binary_cross_entropy_with_logits(gate_logits[:-1].float(), exit_target.detach())
-
-
-def exit_steps(gate_logits: torch.Tensor, threshold: float) -> torch.Tensor:
-    """The Ouro rule: the first loop (0-based) whose CDF ≥ threshold, else the last -> [...]."""
-    cdf = log_exit_distribution(gate_logits).exp().cumsum(0)
-    reached = cdf >= threshold
-    last = torch.full_like(reached[0], gate_logits.shape[0] - 1, dtype=torch.long)
-    return torch.where(reached.any(0), reached.long().argmax(0), last)
 
 
 # ----------------------------------------------------------------------------- training
@@ -319,9 +108,13 @@ def autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def run_stage(model: TrainOuro, stream: torch.Tensor, args, stage: int) -> list[dict]:
-    """Stage 1 trains everything on the weighted objective; stage 2 only the gate."""
+def run_stage(
+    model: TrainOuro, stream: torch.Tensor, valid: torch.Tensor, args, stage: int
+) -> list[dict]:
+    """Stage 1 trains everything on the weighted objective and keeps the weights with the lowest
+    validation loss (checked every `--eval-every` steps); stage 2 trains only the gate."""
     device = stream.device
+    best = (math.inf, -1, None)  # (validation loss, step, state dict)
     steps = args.steps if stage == 1 else args.gate_steps
     named = [(n, p) for n, p in model.named_parameters() if stage == 1 or "early_exit_gate" in n]
     model.requires_grad_(stage == 1)
@@ -350,7 +143,13 @@ def run_stage(model: TrainOuro, stream: torch.Tensor, args, stage: int) -> list[
         torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step % args.log_every == 0 or step == steps - 1:
+        last = step == steps - 1
+        checked = stage == 1 and ((step + 1) % args.eval_every == 0 or last)
+        if checked:
+            loss_v = valid_loss(model, valid, args)
+            if loss_v < best[0]:
+                best = (loss_v, step, {k: v.clone() for k, v in model.state_dict().items()})
+        if step % args.log_every == 0 or last or checked:
             row = {
                 "stage": stage,
                 "step": step,
@@ -359,25 +158,47 @@ def run_stage(model: TrainOuro, stream: torch.Tensor, args, stage: int) -> list[
                 "entropy": round(entropy.item(), 4),
                 "elapsed_s": round(time.time() - start, 1),
             }
+            if checked:
+                row["valid_loss"] = round(loss_v, 4)
             history.append(row)
             print(json.dumps(row), flush=True)
     model.requires_grad_(False)
+    if best[2] is not None:
+        model.load_state_dict(best[2])
+        history.append({"stage": stage, "selected_step": best[1], "valid_loss": round(best[0], 4)})
+        print(json.dumps(history[-1]), flush=True)
     return history
 
 
 # ----------------------------------------------------------------------------- evaluation
 
 
+def windows(stream: torch.Tensor, seq_len: int, max_tokens: int, batch_size: int):
+    """Consecutive non-overlapping windows [b, seq_len + 1] covering up to `max_tokens`."""
+    num = min((len(stream) - 1) // seq_len, max(1, max_tokens // seq_len))
+    for first in range(0, num, batch_size):
+        starts = torch.arange(first, min(first + batch_size, num)) * seq_len
+        yield stream[(starts[:, None] + torch.arange(seq_len + 1)[None, :]).to(stream.device)]
+
+
+@torch.no_grad()
+def valid_loss(model: TrainOuro, stream: torch.Tensor, args) -> float:
+    """Mean next-token loss after all loops on the validation windows."""
+    total, count = 0.0, 0
+    for window in windows(stream, args.seq_len, args.valid_tokens, args.batch_size):
+        with autocast(stream.device):
+            logits, _ = model(window[:, :-1])
+            loss = per_loop_losses(logits[-1:], window[:, 1:])
+        total, count = total + loss.sum().item(), count + loss.numel()
+    return total / count
+
+
 @torch.no_grad()
 def evaluate(model: TrainOuro, stream: torch.Tensor, args) -> dict:
     """Held-out perplexity per loop and, per threshold, depth histogram / mean depth / ppl."""
-    seq, num_loops = args.seq_len, model.config.num_loops
-    num_windows = min((len(stream) - 1) // seq, max(1, args.eval_tokens // seq))
+    num_loops = model.config.num_loops
     losses, gates = [], []
-    for first in range(0, num_windows, args.batch_size):
-        rows = range(first, min(first + args.batch_size, num_windows))
-        idx = torch.tensor([r * seq for r in rows])[:, None] + torch.arange(seq + 1)[None, :]
-        window = stream[idx.to(stream.device)]
+    for window in windows(stream, args.seq_len, args.eval_tokens, args.batch_size):
         with autocast(stream.device):
             logits, g = model(window[:, :-1])
             losses.append(per_loop_losses(logits, window[:, 1:]).flatten(1))
@@ -448,17 +269,22 @@ def export(model: TrainOuro, tokenizer, raw_config: dict, out: Path) -> int:
     save_checkpoint(tensors, out)
     (out / "config.json").write_text(json.dumps(raw_config, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
-    tok_config = {
+    tok_config = tokenizer_config(raw_config["max_position_embeddings"])
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return (out / "model.safetensors").stat().st_size
+
+
+def tokenizer_config(max_positions: int) -> dict:
+    """tokenizer_config.json: special tokens and the ChatML chat template."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[0],
         "eos_token": SPECIAL_TOKENS[0],
         "pad_token": SPECIAL_TOKENS[0],
         "additional_special_tokens": SPECIAL_TOKENS[1:],
-        "model_max_length": raw_config["max_position_embeddings"],
+        "model_max_length": max_positions,
         "chat_template": CHAT_TEMPLATE,
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    return (out / "model.safetensors").stat().st_size
 
 
 def model_card(report: dict) -> str:
@@ -471,10 +297,12 @@ def model_card(report: dict) -> str:
         "trained by `tools/train_tiny_ouro.py` of vllm_rlt on the Python standard library. "
         "It writes Python-looking text; it is a test and demo model, not a useful assistant.",
         "",
-        f"- Corpus: `*.py` of the Python {corpus['python']} standard library without test "
-        f"directories and site-packages; {corpus['num_train_files']} training files "
-        f"({report['train_tokens']} tokens), {corpus['num_held_out_files']} held out "
-        f"({report['held_out_tokens']} tokens). Split: {corpus['split_rule']}.",
+        f"- Corpus: `*.py` of the Python {corpus['python']} standard library without test, "
+        f"`encodings` and `pydoc_data` directories and site-packages; "
+        f"{corpus['num_train_files']} training files "
+        f"({report['train_tokens']} tokens), {corpus['num_valid_files']} for validation, "
+        f"{corpus['num_held_out_files']} held out ({report['held_out_tokens']} tokens). "
+        f"Split: {corpus['split_rule']}.",
         f"- Tokenizer: byte-level BPE, vocab {cfg['vocab_size']}, trained on the training "
         "split; `<|endoftext|>` = 0 (document separator, bos/eos), `<|im_start|>` = 1, "
         "`<|im_end|>` = 2.",
@@ -486,7 +314,9 @@ def model_card(report: dict) -> str:
         f"·H(p), then {report['args']['gate_steps']} gate-only steps; batch "
         f"{report['args']['batch_size']} × {report['args']['seq_len']} tokens, AdamW, peak lr "
         f"{report['args']['lr']}, seed {report['args']['seed']}, device {report['device']}, "
-        f"{report['train_seconds']:.0f} s.",
+        f"{report['train_seconds']:.0f} s. Kept the stage-1 weights of step "
+        f"{report['selected_step'] + 1} (lowest validation loss, checked every "
+        f"{report['args']['eval_every']} steps).",
         f"- Command: `{report['command']}`",
         "",
         f"Held-out perplexity after each loop ({ev['num_tokens']} tokens):",
@@ -518,22 +348,30 @@ def model_card(report: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="output model directory")
-    p.add_argument("--steps", type=int, default=2000, help="stage-1 optimizer steps")
-    p.add_argument("--gate-steps", type=int, default=200, help="stage-2 (gate only) steps")
+    p.add_argument("--steps", type=int, default=1000, help="stage-1 optimizer steps")
+    p.add_argument("--gate-steps", type=int, default=300, help="stage-2 (gate only) steps")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--hidden-size", type=int, default=256, help="model width")
-    p.add_argument("--layers", type=int, default=4, help="shared layers per loop")
+    p.add_argument("--hidden-size", type=int, default=384, help="model width")
+    p.add_argument("--layers", type=int, default=1, help="shared layers per loop")
     p.add_argument("--heads", type=int, default=8, help="attention heads (MHA)")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     p.add_argument("--beta", type=float, default=0.05, help="entropy weight in stage 1")
+    p.add_argument(
+        "--gate-bias",
+        type=float,
+        default=-3.0,
+        help="initial exit-gate bias: -3 starts with most exit mass on the last loop",
+    )
     p.add_argument("--gate-margin", type=float, default=0.01, help="stage-2 exit margin (nats)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0, help="seed for init and batches")
     p.add_argument("--max-train-files", type=int, default=None, help="cap (quick CPU runs)")
     p.add_argument("--eval-tokens", type=int, default=1 << 20, help="held-out tokens to score")
     p.add_argument("--log-every", type=int, default=50, help="log every N steps")
+    p.add_argument("--eval-every", type=int, default=100, help="validate every N stage-1 steps")
+    p.add_argument("--valid-tokens", type=int, default=1 << 17, help="validation tokens")
     return p.parse_args(argv)
 
 
@@ -541,20 +379,21 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    train_texts, held_texts, corpus = load_corpus(args.max_train_files)
-    tokenizer = train_tokenizer(args.vocab_size, texts=train_texts)
-    train_stream = token_stream(tokenizer, train_texts).to(device)
-    held_stream = token_stream(tokenizer, held_texts).to(device)
+    texts, corpus = load_corpus(args.max_train_files)
+    tokenizer = train_tokenizer(args.vocab_size, texts=texts["train"])
+    train_stream, valid_stream, held_stream = (
+        token_stream(tokenizer, texts[name]).to(device) for name in SPLITS
+    )
     raw = hf_config(args, tokenizer.get_vocab_size())
     model = TrainOuro(OuroConfig.from_dict(raw))
-    init_weights(model, args.seed)
+    init_weights(model, args.seed, args.gate_bias)
     model.to(device)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"{num_params:,} parameters; {len(train_stream):,} train tokens", flush=True)
     start = time.time()
-    history = run_stage(model, train_stream, args, stage=1)
+    history = run_stage(model, train_stream, valid_stream, args, stage=1)
     if args.gate_steps > 0:
-        history += run_stage(model, train_stream, args, stage=2)
+        history += run_stage(model, train_stream, valid_stream, args, stage=2)
     train_seconds = time.time() - start
     model.eval()
     ev = evaluate(model, held_stream, args)
@@ -571,6 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_tokens": len(train_stream),
         "held_out_tokens": len(held_stream),
         "train_seconds": round(train_seconds, 1),
+        "selected_step": next(h["selected_step"] for h in history if "selected_step" in h),
         "eval": ev,
         "history": history,
     }

@@ -144,3 +144,27 @@ def engine_seed(engine: LLMEngine, job: Job) -> int:
 def kv_all_free(engine: LLMEngine) -> bool:
     m = engine.kv_manager
     return m.num_free_blocks == m.num_total_blocks
+
+
+def reference_greedy(model, prompt, max_tokens, threshold, layout, min_loops=1):
+    """Independent greedy generation over the dense reference with the ouro exit rule."""
+    ref = DenseOuroReference.from_model(model)
+    depth = model.num_loops
+    ids, loops, tokens, depths = list(prompt), [depth] * len(prompt), [], []
+    while len(tokens) < max_tokens:
+        out = ref.run(ids, loops, layout)
+        pos = len(ids) - 1
+        tokens.append(int(out.logits[loops[pos] - 1, pos].argmax()))
+        depths.append(loops[pos])
+        if len(tokens) == max_tokens:
+            break
+        full = ref.run(ids + [tokens[-1]], loops + [depth], layout)
+        remaining, exit_loops = 1.0, depth
+        for d in range(depth):
+            remaining *= 1.0 - 1.0 / (1.0 + math.exp(-float(full.gate_logits[d, pos + 1])))
+            if threshold < 1.0 and d + 1 >= min_loops and 1.0 - remaining >= threshold:
+                exit_loops = d + 1
+                break
+        ids.append(tokens[-1])
+        loops.append(exit_loops)
+    return tuple(tokens), tuple(depths)

@@ -4,7 +4,6 @@ loop over the dense reference; SHARED generation equals the reference's SHARED m
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
@@ -15,11 +14,11 @@ from tests.engine.harness import (
     kv_all_free,
     make_engine,
     random_jobs,
+    reference_greedy,
     run_batched,
     run_serial,
 )
 from vllm_rlt.engine.llm_engine import LLMEngine
-from vllm_rlt.models.reference import DenseOuroReference
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -85,30 +84,6 @@ def _check_batched_equals_serial(model_dir, device, backend, mode, chunk):
     near_ties = compare(eng, jobs, got, want, "last_exited")
     assert near_ties <= 1, f"{near_ties} near-ties: more than rounding should produce"
     assert kv_all_free(eng)
-
-
-def reference_greedy(model, prompt, max_tokens, threshold, layout, min_loops=1):
-    """Independent greedy generation over the dense reference with the ouro exit rule."""
-    ref = DenseOuroReference.from_model(model)
-    depth = model.num_loops
-    ids, loops, tokens, depths = list(prompt), [depth] * len(prompt), [], []
-    while len(tokens) < max_tokens:
-        out = ref.run(ids, loops, layout)
-        pos = len(ids) - 1
-        tokens.append(int(out.logits[loops[pos] - 1, pos].argmax()))
-        depths.append(loops[pos])
-        if len(tokens) == max_tokens:
-            break
-        full = ref.run(ids + [tokens[-1]], loops + [depth], layout)
-        remaining, exit_loops = 1.0, depth
-        for d in range(depth):
-            remaining *= 1.0 - 1.0 / (1.0 + math.exp(-float(full.gate_logits[d, pos + 1])))
-            if threshold < 1.0 and d + 1 >= min_loops and 1.0 - remaining >= threshold:
-                exit_loops = d + 1
-                break
-        ids.append(tokens[-1])
-        loops.append(exit_loops)
-    return tuple(tokens), tuple(depths)
 
 
 @pytest.mark.parametrize("device,backend", [*TARGETS, SUBSET[0]])

@@ -9,7 +9,9 @@ from vllm_rlt.entrypoints import cli_args
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text offline for one or more prompts")
-    p.add_argument("model", nargs="?", help="HF model directory (default: a tiny random Ouro)")
+    p.add_argument(
+        "model", nargs="?", help="HF model directory (default: the packaged tiny-ouro-stdlib)"
+    )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     cli_args.add_sampling_args(p)
     cli_args.add_engine_args(p)

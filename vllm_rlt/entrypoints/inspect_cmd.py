@@ -8,12 +8,12 @@ model; `--check` recomputes with the dense reference and compares.
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.models.reference import DenseOuroReference
+from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.worker.paged_executor import PagedExecutor
 
 CHECK_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -21,13 +21,15 @@ CHECK_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="per-depth predictions and exit gate for a prompt")
-    p.add_argument("model", nargs="?", help="HF model directory (default: a tiny random Ouro)")
+    p.add_argument(
+        "model", nargs="?", help="HF model directory (default: the packaged tiny-ouro-stdlib)"
+    )
     p.add_argument("--prompt", default="def fibonacci(n):", help="text to inspect")
     p.add_argument("--top-k", type=int, default=5, help="tokens shown per depth")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) or a name")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--load-format", default="auto", help="auto/safetensors or dummy weights")
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--block-size", type=int, default=16, help="KV positions per block")
     p.add_argument("--check", action="store_true", help="compare with the dense reference")
     p.set_defaults(func=run)
@@ -44,21 +46,14 @@ def exit_distribution(gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from vllm_rlt.models.tiny import write_tiny_ouro
-
-            model_dir = write_tiny_ouro(tmp)
-            print(f"no model given: built a tiny random Ouro in {model_dir}")
-        loaded = load_model(
-            model_dir,
-            dtype=args.dtype,
-            device=args.device,
-            load_format=args.load_format,
-            attention_backend=args.attention_backend,
-        )
-        return report(loaded, args)
+    loaded = load_model(
+        args.model or default_model_dir(),
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        attention_backend=args.attention_backend,
+    )
+    return report(loaded, args)
 
 
 def report(loaded, args: argparse.Namespace) -> int:

@@ -11,14 +11,16 @@ from vllm_rlt.entrypoints import cli_args
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
-    p.add_argument("model", nargs="?", help="HF model directory (default: a tiny random Ouro)")
+    p.add_argument(
+        "model", nargs="?", help="HF model directory (default: the packaged tiny-ouro-stdlib)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument(
         "--served-model-name",
         default=None,
-        help="model name of the API (default: the model directory's name, or tiny-ouro)",
+        help="model name of the API (default: the model directory's name)",
     )
     p.add_argument(
         "--max-waiting-requests",
@@ -39,7 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
-    return Path(args.model).resolve().name if args.model else "tiny-ouro"
+    if args.model:
+        return Path(args.model).resolve().name
+    from vllm_rlt.models.tiny import default_model_dir
+
+    return default_model_dir().name
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Write a tiny random Ouro as a real HF-format directory (tests, demos, `vllm-rlt inspect`).
+"""Tiny Ouro models: a random one written as a real HF-format directory (tests), and the path of
+the trained one shipped as package data (the default model of `serve`, `generate`, `LLM()`).
 
 The directory holds config.json, model.safetensors (or shards plus an index), tokenizer.json (a
 byte-level BPE trained offline with `tokenizers` on docstrings of the standard library) and
@@ -8,8 +9,6 @@ tokenizer_config.json, so the real loader and tokenizer paths are exercised.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from vllm_rlt.models.loader import init_random_weights
 from vllm_rlt.models.ouro import OuroConfig, OuroForCausalLM
 
+PACKAGED_MODEL_DIR = Path(__file__).resolve().parents[1] / "model_data" / "tiny-ouro-stdlib"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_OURO = {
     "architectures": ["OuroForCausalLM"],
@@ -106,17 +106,9 @@ def write_tiny_ouro(
 
 
 def default_model_dir() -> Path:
-    """The model used when none is given: a tiny random Ouro cached under ~/.cache/vllm-rlt."""
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-rlt"
-    path = root / "tiny-ouro"
-    if not path.is_dir():
-        tmp = root / f"tiny-ouro.tmp{os.getpid()}"
-        write_tiny_ouro(tmp)
-        try:
-            tmp.rename(path)  # atomic: readers never see a half-written directory
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp)
-    return path
+    """The model used when none is given: the trained tiny Ouro shipped as package data
+    (`tools/train_tiny_ouro.py` made it; its README.md is the model card)."""
+    return PACKAGED_MODEL_DIR
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], path: Path, num_shards: int = 1) -> None:
