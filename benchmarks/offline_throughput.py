@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
+from benchmarks.serving.metrics import gpu_busy_seconds
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.sampling_params import SamplingParams
@@ -54,25 +55,6 @@ def _sync() -> None:
 
 def pct(a: np.ndarray) -> dict[str, float]:
     return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
-
-
-def gpu_kernel_time(trace_path: Path) -> float:
-    """Seconds of GPU activity (kernels, copies, memsets) in a Chrome trace, overlaps merged."""
-    events = json.loads(trace_path.read_text())["traceEvents"]
-    spans = sorted(
-        (e["ts"], e["ts"] + e["dur"])
-        for e in events
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    )
-    busy, end = 0.0, -1.0
-    for s, e in spans:
-        if s >= end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    return busy / 1e6
 
 
 def bench(args, concurrency: int, model_dir: Path) -> dict:
@@ -118,7 +100,7 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             _sync()
             prof_wall = time.perf_counter() - start
         prof.export_chrome_trace(str(trace))
-        gpu = gpu_kernel_time(trace)
+        gpu = gpu_busy_seconds(json.loads(trace.read_text())["traceEvents"])
     for i in range(concurrency):
         engine.abort_request(f"prof-{i}")
     n_out = len(prompts) * args.output_len

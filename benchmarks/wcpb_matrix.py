@@ -7,13 +7,16 @@ weights, medians over repeats.
 
 Writes `results.json` (every run), `summary.json` and `README.md` (tables with WCPB/Split
 ratios beside each profile's invocation bound) and PNG plots when matplotlib is installed.
-A run may be split across machines with `--cells` (indices into the cell list).
+A run may be split across machines with `--cells` (indices into the cell list). On a GPU,
+`--busy-rounds` more interleaved rounds per cell run under the CUDA activity recorder and give
+the GPU busy fraction; they are kept out of the other medians (recording perturbs timing).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
-from benchmarks.serving.drivers import run_inprocess
+from benchmarks.serving.drivers import gpu_activity, run_inprocess
 from benchmarks.serving.metrics import engine_counters, summarize
 from benchmarks.serving.workload import build_workload
 from vllm_rlt.config import EngineConfig
@@ -57,6 +60,7 @@ METRICS = [
     (("engine", "prefill_rows_per_prefill_invocation"), "prefill rows/prefill inv"),
     (("engine", "invocations_per_request"), "inv/req"),
 ]
+BUSY = "GPU busy"  # from the profiled rounds
 
 
 def cells(chunks: list[int]) -> list[tuple[int, str, str]]:
@@ -64,9 +68,18 @@ def cells(chunks: list[int]) -> list[tuple[int, str, str]]:
 
 
 def run_one(
-    loaded, args, chunk: int, mode: str, profile: str, inputs: str, repeat: int, smoke: dict
+    loaded,
+    args,
+    chunk: int,
+    mode: str,
+    profile: str,
+    inputs: str,
+    repeat: int,
+    smoke: dict,
+    profiled: bool = False,
 ) -> dict:
-    """One engine run of one mode in one cell (`smoke`: CPU overrides of inputs and rates)."""
+    """One engine run of one mode in one cell (`smoke`: CPU overrides of inputs and rates;
+    `profiled`: record GPU activity for the busy fraction)."""
     config = EngineConfig.from_kwargs(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -89,21 +102,25 @@ def run_one(
             warm = build_workload("concurrent", 2, [chunk + 3], 2, vocab, seed=99)
             await run_inprocess(engine, warm, tag="warmup")
             before = engine.engine.stats.as_dict()
-            records, duration = await run_inprocess(engine, wl)
+            with gpu_activity() if profiled else contextlib.nullcontext({}) as gpu:
+                records, duration = await run_inprocess(engine, wl)
             after = engine.engine.stats.as_dict()
         finally:
             await engine.shutdown()
-        return {
+        out = {
             "summary": summarize(records, duration),
             "engine": engine_counters(before, after, len(wl.requests)),
         }
+        if profiled:
+            out["gpu_busy_fraction"] = gpu["gpu_busy_s"] / duration
+        return out
 
     result = asyncio.run(go())
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "mode": mode, "repeat": repeat}
-    return {**cell, **result}
+    return {**cell, "profiled": profiled, **result}
 
 
 def _get(run: dict, path: tuple) -> float:
@@ -113,6 +130,15 @@ def _get(run: dict, path: tuple) -> float:
     return float(value)
 
 
+def _timed(run: dict, path: tuple) -> bool:
+    """Profiled runs count only for the busy fraction; timed runs for everything else."""
+    return bool(run.get("profiled")) == (path == ("gpu_busy_fraction",))
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+
+
 def summarize_matrix(runs: list[dict]) -> list[dict]:
     """Per cell and mode: median and spread of every metric; WCPB/Split ratios and the bound."""
     rows = []
@@ -120,18 +146,18 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
     for chunk, profile, inputs in keys:
         cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "modes": {}}
         for mode in MODES:
-            own = [r for r in runs if (r["chunk"], r["profile"], r["inputs"], r["mode"]) ==
-                   (chunk, profile, inputs, mode)]  # fmt: skip
+            mine = [r for r in runs if (r["chunk"], r["profile"], r["inputs"], r["mode"]) ==
+                    (chunk, profile, inputs, mode)]  # fmt: skip
+            own = [r for r in mine if not r.get("profiled")]
             if not own:
                 continue
+            metrics = [*METRICS]
+            if any(r.get("profiled") for r in mine):
+                own, metrics = mine, [*METRICS, (("gpu_busy_fraction",), BUSY)]
             cell["modes"][mode] = {
-                name: {
-                    "median": float(np.median([_get(r, path) for r in own])),
-                    "min": min(_get(r, path) for r in own),
-                    "max": max(_get(r, path) for r in own),
-                }
-                for path, name in METRICS
-            } | {"repeats": len(own)}
+                name: _spread([_get(r, path) for r in own if _timed(r, path)])
+                for path, name in metrics
+            } | {"repeats": sum(not r.get("profiled") for r in own)}
         m = cell["modes"]
         if "split" in m and "wcpb" in m:
             med = {
@@ -165,12 +191,15 @@ def markdown(cells_summary: list[dict], meta: dict) -> str:
     for cell in cells_summary:
         lines.append(f"## chunk {cell['chunk']}, {cell['profile']}, {cell['inputs']} inputs")
         lines.append("")
-        lines.append("| mode | repeats | " + " | ".join(name for _, name in METRICS) + " |")
-        lines.append("|---" * (len(METRICS) + 2) + "|")
+        names = [name for _, name in METRICS]
+        if any(BUSY in vals for vals in cell["modes"].values()):
+            names.append(BUSY)
+        lines.append("| mode | repeats | " + " | ".join(names) + " |")
+        lines.append("|---" * (len(names) + 2) + "|")
         for mode, vals in cell["modes"].items():
             cols = [
                 f"{vals[name]['median']:.4g} ({vals[name]['min']:.3g}-{vals[name]['max']:.3g})"
-                for _, name in METRICS
+                for name in names
             ]
             lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
         if "wcpb_over_split" in cell:
@@ -217,6 +246,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--cells", type=int, nargs="*", default=None, help="indices into the cells")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--arrival-repeats", type=int, default=1)
+    p.add_argument("--busy-rounds", type=int, default=1, help="profiled rounds per cell (GPU only)")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=8)
@@ -246,9 +276,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     runs = []
     for chunk, profile, inputs in todo:
         repeats = args.arrival_repeats if profile == "arrival" else args.repeats
-        for r in range(repeats):
+        busy_rounds = args.busy_rounds if torch.cuda.is_available() else 0
+        for r in range(repeats + busy_rounds):
             for mode in MODES:  # interleaved: A B C A B C ...
-                runs.append(run_one(loaded, args, chunk, mode, profile, inputs, r, smoke))
+                profiled = r >= repeats
+                runs.append(run_one(loaded, args, chunk, mode, profile, inputs, r, smoke, profiled))
                 s = runs[-1]["summary"]
                 print(f"chunk {chunk} {profile} {inputs} r{r} {mode}: "
                       f"{s['request_throughput']:.3f} req/s", flush=True)  # fmt: skip

@@ -3,16 +3,20 @@
 `run_inprocess` talks to an `AsyncLLMEngine` in this process; `run_http` streams from an
 OpenAI-compatible `/v1/completions` endpoint. A chunk is an engine output with new tokens
 (in-process) or an SSE event that carries choices (HTTP), as BENCHMARKS.md defines TTFT and ITL.
+`gpu_activity` measures the GPU busy time of whatever runs inside it (CUDA only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
-from benchmarks.serving.metrics import RequestRecord
+from benchmarks.serving.metrics import RequestRecord, gpu_busy_seconds
 from benchmarks.serving.workload import RequestSpec, Workload
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -40,6 +44,23 @@ async def _replay(workload: Workload, send: SendFn) -> tuple[list[RequestRecord]
 
     await asyncio.gather(*(one(i, s) for i, s in enumerate(workload.requests)))
     return records, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def gpu_activity():
+    """Record the GPU's kernels, copies and memsets (CUPTI activity only, no host-op tracing)
+    while the block runs; on exit the yielded dict gets `gpu_busy_s`, their merged duration.
+    Recording adds a little host time per launch, so runs measured this way are reported
+    apart from timed runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    result: dict[str, float] = {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield result
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        result["gpu_busy_s"] = gpu_busy_seconds(json.loads(trace.read_text())["traceEvents"])
 
 
 async def run_inprocess(engine, workload: Workload, tag: str = "bench"):

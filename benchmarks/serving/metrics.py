@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,3 +71,19 @@ def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
         "prefill_rows_per_prefill_invocation": ratio("prefill_rows", "prefill_invocations"),
         "invocations_per_request": counters["invocations"] / num_requests,
     }
+
+
+def gpu_busy_seconds(trace_events: list[dict]) -> float:
+    """Seconds during which the GPU ran something (kernels, copies, memsets) in a Chrome trace's
+    `traceEvents`, overlapping activities merged."""
+    spans = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in trace_events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    busy, end = 0.0, -math.inf
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e6

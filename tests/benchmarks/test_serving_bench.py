@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.serving.__main__ import main
 from benchmarks.serving.drivers import run_inprocess
-from benchmarks.serving.metrics import RequestRecord, summarize
+from benchmarks.serving.metrics import RequestRecord, gpu_busy_seconds, summarize
 from benchmarks.serving.workload import build_workload
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.models.tiny import write_tiny_ouro
@@ -104,3 +104,39 @@ def test_wcpb_matrix_smoke_interleaves_modes_and_reports_the_bound(tmp_path):
     assert ratios["invocation bound"] > 1  # WCPB needs fewer invocations per request
     assert ratios["prefill rows/prefill inv"] > 1
     assert (tmp_path / "README.md").read_text().startswith("# WCPB matrix")
+
+
+def test_gpu_busy_merges_overlapping_device_activity():
+    events = [
+        {"cat": "kernel", "ts": 0.0, "dur": 10.0},
+        {"cat": "kernel", "ts": 5.0, "dur": 10.0},  # overlaps the first: 0-15
+        {"cat": "gpu_memcpy", "ts": 12.0, "dur": 1.0},  # inside
+        {"cat": "gpu_memset", "ts": 20.0, "dur": 5.0},  # 20-25
+        {"cat": "cpu_op", "ts": 30.0, "dur": 100.0},  # host work does not count
+        {"cat": "kernel", "ts": 40.0},  # an instant event without duration
+    ]
+    assert gpu_busy_seconds(events) == pytest.approx(20e-6)
+    assert gpu_busy_seconds([]) == 0.0
+
+
+def test_wcpb_matrix_keeps_profiled_rounds_out_of_the_timed_medians():
+    from benchmarks.wcpb_matrix import summarize_matrix
+
+    def run(mode, repeat, rps, profiled=False, busy=None):
+        engine = {"rows_per_invocation": 4.0, "prefill_rows_per_prefill_invocation": 8.0}
+        engine["invocations_per_request"] = 10.0 if mode == "split" else 5.0
+        pct = {"p50": 0.1, "p99": 0.2}
+        summary = {"request_throughput": rps, "output_token_throughput": 10 * rps}
+        summary |= {"ttft_s": pct, "tpot_s": pct, "itl_s": pct, "e2e_s": pct}
+        cell = {"chunk": 32, "profile": "serial", "inputs": "fixed", "mode": mode}
+        out = {**cell, "repeat": repeat, "profiled": profiled, "summary": summary}
+        return out | {"engine": engine} | ({"gpu_busy_fraction": busy} if profiled else {})
+
+    runs = [run("split", 0, 1.0), run("wcpb", 0, 2.0), run("split", 1, 3.0), run("wcpb", 1, 4.0)]
+    runs += [run("split", 2, 100.0, True, 0.5), run("wcpb", 2, 100.0, True, 0.75)]
+    (cell,) = summarize_matrix(runs)
+    split, wcpb = cell["modes"]["split"], cell["modes"]["wcpb"]
+    assert (split["repeats"], split["req/s"]["median"], split["req/s"]["max"]) == (2, 2.0, 3.0)
+    assert (wcpb["GPU busy"]["median"], split["GPU busy"]["median"]) == (0.75, 0.5)
+    assert cell["wcpb_over_split"]["req/s"] == pytest.approx(1.5)
+    assert cell["wcpb_over_split"]["invocation bound"] == pytest.approx(2.0)

@@ -15,8 +15,9 @@ def loops_until_exit(mode, gates, settings, trace_seed=None, req_id="r", index=0
     tok = DecodeToken(position=10, index=index)
     policy.start(tok, settings, req_id)
     for g in gates:
+        reads = policy.reads_gate(tok, settings)
         tok.loops_done += 1
-        if policy.should_exit(tok, settings, g):
+        if policy.should_exit(tok, settings, g if reads else None):
             return tok.loops_done
     raise AssertionError("never exited")
 
@@ -57,3 +58,22 @@ def test_trace_replays_given_depths_and_seeded_draws_are_stable():
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="exit_mode"):
         make_exit_policy("entropy", None)
+
+
+def test_policies_read_the_gate_only_when_a_decision_needs_it():
+    tok, adaptive, fixed = (
+        DecodeToken(position=3, index=0),
+        ExitSettings(1, 4, 0.5),
+        ExitSettings(1, 4, 1.0),
+    )
+    ouro, delayed = make_exit_policy("ouro", None), make_exit_policy("ouro_delayed", None)
+    assert ouro.reads_gate(tok, adaptive) and not ouro.reads_gate(tok, fixed)
+    assert delayed.reads_gate(tok, adaptive) and not delayed.reads_gate(tok, fixed)
+    tok.loops_done = 1
+    assert delayed.should_exit(tok, adaptive, logit(0.6)) is False  # fired: one more loop
+    assert not delayed.reads_gate(tok, adaptive)  # the exit depth is decided
+    tok.loops_done = 2
+    assert delayed.should_exit(tok, adaptive, None) is True
+    trace = make_exit_policy("trace", 1)
+    trace.start(tok, adaptive, "r")
+    assert not trace.reads_gate(tok, adaptive)

@@ -26,10 +26,11 @@ def request(req_id, prompt_len, max_tokens=4, threshold=1.0) -> Request:
 
 def step(s: Scheduler, gate: float = 0.0):
     batch = s.schedule()
-    decode = [t for t in batch.requests if t.kind is RowKind.DECODE]
+    reading = [t for t in batch.requests if t.reads_gate]
+    assert all(t.kind is RowKind.DECODE for t in reading)
     out = RunnerOutput(
         sampled={r: SampledToken(1, None, ()) for r in batch.sample_req_ids},
-        decode_gate_logits=tuple(gate for _ in decode),
+        decode_gate_logits=tuple(gate for _ in reading),
     )
     s.update(batch, out)
     return batch

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_rlt.worker.host_copy import to_device
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -113,8 +115,10 @@ class HostMetadata:
         )  # fmt: skip
 
     def upload(self, device: torch.device | str) -> AttentionMetadata:
+        device = torch.device(device)
+
         def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=device, dtype=dtype)
+            return to_device(a, dtype, device)
 
         return AttentionMetadata(
             block_size=self.block_size,

@@ -25,6 +25,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.worker.cuda_graph import DecodeGraphRunner
 from vllm_rlt.worker.hidden_state import HiddenStateStore
+from vllm_rlt.worker.host_copy import to_device
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
 
@@ -68,7 +69,7 @@ class ModelRunner:
     def execute(self, batch: ExecutionBatch) -> RunnerOutput:
         self._sync_mirrors(batch)
         if batch.kv_copies:
-            pairs = torch.tensor(batch.kv_copies, device=self.device)
+            pairs = to_device(batch.kv_copies, torch.int64, self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled_ids, sampled = self._sample(batch.sample_req_ids)
         gates0 = None  # gate logits of invocation 0, the only one with decode rows
@@ -79,8 +80,9 @@ class ModelRunner:
             if i == 0:
                 gates0 = gates
         starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
-        decode_rows = [starts[j] for j, t in enumerate(batch.requests) if t.kind is RowKind.DECODE]
-        decode_gates = gates0[decode_rows].tolist() if decode_rows else []
+        # the step's only waits for the GPU: gates an exit decision needs, and sampled tokens
+        gate_rows = [starts[j] for j, t in enumerate(batch.requests) if t.reads_gate]
+        decode_gates = gates0[gate_rows].tolist() if gate_rows else []
         return RunnerOutput(sampled=sampled(), decode_gate_logits=tuple(decode_gates))
 
     def _sync_mirrors(self, batch: ExecutionBatch) -> None:
@@ -101,7 +103,9 @@ class ModelRunner:
         if not req_ids:
             return (None, {}), dict
         mirrors = [self.reqs[r] for r in req_ids]
-        rows = torch.tensor([self.states.decode_row(m.slot) for m in mirrors], device=self.device)
+        rows = to_device(
+            [self.states.decode_row(m.slot) for m in mirrors], torch.int64, self.device
+        )
         logits = self.model.coda(self.states.buffer[rows])
         params = [m.data for m in mirrors]
         tensors = SamplingTensors.build(
@@ -166,12 +170,12 @@ class ModelRunner:
             row += t.num_tokens
         static, meta, index, hidden = self._core_inputs(starts, counts, tables, rows)
         if prompt_rows or decode_rows:
-            tokens = torch.tensor(prompt_tokens, dtype=torch.long, device=self.device)
+            tokens = to_device(prompt_tokens, torch.int64, self.device)
             if decode_reqs:
                 sampled_tokens, position_of = sampled_ids
-                pick = torch.tensor([position_of[r] for r in decode_reqs], device=self.device)
+                pick = to_device([position_of[r] for r in decode_reqs], torch.int64, self.device)
                 tokens = torch.cat([tokens, sampled_tokens[pick]])
-            entry = torch.tensor(prompt_rows + decode_rows, device=self.device)
+            entry = to_device(prompt_rows + decode_rows, torch.int64, self.device)
             hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
         if static is None:
             out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
@@ -179,8 +183,8 @@ class ModelRunner:
             out, gate = self.graphs.run(static)
         self.states.buffer[index] = out
         if done_src:
-            src = torch.tensor(done_src, device=self.device)
-            self.states.buffer[torch.tensor(done_dst, device=self.device)] = out[src]
+            src = to_device(done_src, torch.int64, self.device)
+            self.states.buffer[to_device(done_dst, torch.int64, self.device)] = out[src]
         return gate
 
     def _core_inputs(self, starts, counts, tables, rows: list[np.ndarray]):
@@ -194,7 +198,7 @@ class ModelRunner:
             return static, static.meta, static.index, static.hidden
         block_size = self.kv_cache.block_size
         meta = build_attention_metadata(starts, counts, tables, block_size, self.device, TILE_ROWS)
-        index = torch.from_numpy(state_rows).to(self.device)
+        index = to_device(state_rows, torch.int64, self.device)
         return None, meta, index, buffer[index]
 
     def _rows(self, span: StateSpan, mirror: _Mirror) -> np.ndarray:

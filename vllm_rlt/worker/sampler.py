@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS
+from vllm_rlt.worker.host_copy import to_device
 
 _MASK31 = (1 << 31) - 1
 # Odd 31-bit multipliers: a 31-bit state times one stays below 2**62, inside int64.
@@ -52,12 +53,13 @@ class SamplingTensors:
         top_k_t = torch.tensor(top_k, dtype=torch.int64)
         top_p_t = torch.tensor(top_p, dtype=torch.float32)
         greedy = (temperature_t < GREEDY_TEMPERATURE_EPS) | (top_k_t == 1)
+        device = torch.device(device)
         return cls(
-            temperature=temperature_t.to(device),
-            top_k=top_k_t.to(device),
-            top_p=top_p_t.to(device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            counters=torch.tensor(counters, dtype=torch.int64, device=device),
+            temperature=to_device(temperature_t, torch.float32, device),
+            top_k=to_device(top_k_t, torch.int64, device),
+            top_p=to_device(top_p_t, torch.float32, device),
+            seeds=to_device(seeds, torch.int64, device),
+            counters=to_device(counters, torch.int64, device),
             num_logprobs=num_logprobs,
             all_greedy=bool(greedy.all()),
             any_top_k_top_p=bool((((top_k_t > 0) | (top_p_t < 1.0)) & ~greedy).any()),

@@ -30,6 +30,8 @@ class ScheduledRequest:
     # row offset into the request's prefill hidden-state ring (slot * chunk_size + offset in
     # the chunk); None = the runner derives it from token_start on the chunk grid
     prefill_hidden_row_offset: int | None = None
+    # decode rows: the exit policy needs this loop's gate logit (the runner reads it back)
+    reads_gate: bool = False
 
     def state_span(self) -> StateSpan:
         """Where these rows' hidden state lives (decode rows: the request's decode row)."""
@@ -103,5 +105,5 @@ class RunnerOutput:
     """What the scheduler needs back from a step (host data)."""
 
     sampled: dict[str, SampledToken]  # request_id -> token sampled this step
-    # gate logits of the decode rows of the (single) invocation, in plan order
+    # gate logits of the decode rows of the (single) invocation that `reads_gate`, in plan order
     decode_gate_logits: tuple[float, ...]

@@ -2,6 +2,9 @@
 
 Each policy sees the token's gate logit for the loop just run and updates the token's running
 state. Gate arithmetic runs in Python floats (fp64) on the fp32 gate logits the runner returns.
+`reads_gate` tells the scheduler whether the next loop's gate logit matters at all: when no row
+of a step needs it (fixed depth, traces), the runner skips reading gates back and the host does
+not wait for the GPU.
 """
 
 from __future__ import annotations
@@ -18,8 +21,15 @@ class ExitPolicy(Protocol):
         """Called when a decode token enters depth 0."""
         ...
 
-    def should_exit(self, token: DecodeToken, settings: ExitSettings, gate_logit: float) -> bool:
-        """Called once the token completed `token.loops_done` loops (already incremented)."""
+    def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
+        """Whether `should_exit` after the token's next loop needs that loop's gate logit."""
+        ...
+
+    def should_exit(
+        self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
+    ) -> bool:
+        """Called once the token completed `token.loops_done` loops (already incremented);
+        `gate_logit` is None when `reads_gate` said it is not needed."""
         ...
 
 
@@ -37,16 +47,27 @@ class OuroExit:
     def start(self, token: DecodeToken, settings: ExitSettings, request_id: str) -> None:
         pass
 
-    def should_exit(self, token: DecodeToken, settings: ExitSettings, gate_logit: float) -> bool:
-        fired = _fires(token, settings, gate_logit)
+    def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
+        return settings.threshold < 1.0  # the CDF accumulates from the first loop on
+
+    def should_exit(
+        self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
+    ) -> bool:
+        fired = gate_logit is not None and _fires(token, settings, gate_logit)
         return fired or token.loops_done >= settings.max_loops
 
 
 class OuroDelayedExit(OuroExit):
     """Like `ouro`, but the token runs one more loop after the rule fires (within max_loops)."""
 
-    def should_exit(self, token: DecodeToken, settings: ExitSettings, gate_logit: float) -> bool:
-        if token.exit_at is None and _fires(token, settings, gate_logit):
+    def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
+        return token.exit_at is None and settings.threshold < 1.0
+
+    def should_exit(
+        self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
+    ) -> bool:
+        pending = token.exit_at is None and gate_logit is not None
+        if pending and _fires(token, settings, gate_logit):
             token.exit_at = min(token.loops_done + 1, settings.max_loops)
         target = settings.max_loops if token.exit_at is None else token.exit_at
         return token.loops_done >= target
@@ -70,7 +91,12 @@ class TraceExit:
             loops = settings.max_loops
         token.exit_at = min(max(loops, settings.min_loops), settings.max_loops)
 
-    def should_exit(self, token: DecodeToken, settings: ExitSettings, gate_logit: float) -> bool:
+    def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
+        return False
+
+    def should_exit(
+        self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
+    ) -> bool:
         return token.loops_done >= token.exit_at
 
 

@@ -162,9 +162,13 @@ class Scheduler:
             elif req.decode is None or len(tasks) >= budget:
                 continue
             tok = req.decode
+            reads_gate = self.exit_policy.reads_gate(tok, req.exit)
             tasks.append(
-                ScheduledRequest(req.request_id, RowKind.DECODE, tok.position, 1, tok.loops_done)
-            )
+                ScheduledRequest(
+                    req.request_id, RowKind.DECODE, tok.position, 1, tok.loops_done,
+                    reads_gate=reads_gate,
+                )
+            )  # fmt: skip
         return tasks, samples
 
     def _plan_prefill(self, budget: int) -> list[ScheduledRequest]:
@@ -194,8 +198,11 @@ class Scheduler:
             if req is not None:
                 self._append_token(req, output.sampled[req_id])
                 touched[req_id] = req
-        decode = [t for t in batch.requests if t.kind is RowKind.DECODE]
-        for task, gate in zip(decode, output.decode_gate_logits, strict=True):
+        gates = iter(output.decode_gate_logits)
+        for task in batch.requests:
+            if task.kind is not RowKind.DECODE:
+                continue
+            gate = next(gates) if task.reads_gate else None
             req = self.requests.get(task.request_id)
             if req is not None and req.decode is not None:
                 self._after_loop(req, gate)
@@ -220,7 +227,7 @@ class Scheduler:
         elif len(req.output_token_ids) >= params.max_tokens:
             self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
 
-    def _after_loop(self, req: Request, gate_logit: float) -> None:
+    def _after_loop(self, req: Request, gate_logit: float | None) -> None:
         tok = req.decode
         tok.loops_done += 1
         if not self.exit_policy.should_exit(tok, req.exit, gate_logit):

@@ -1,0 +1,52 @@
+"""The host waits for the GPU only where a decision needs device data: at fixed depth a decode
+step that samples no token (depths 1..D-1 of a token) queues its work and returns at once."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tests.engine.harness import make_engine
+from vllm_rlt.models.tiny import write_tiny_ouro
+from vllm_rlt.sampling_params import SamplingParams
+
+
+def _syncs(engine) -> tuple[int, int]:
+    """Run one step under CUDA's sync debug mode: (synchronising calls, tokens it produced)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            outs = engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return syncs, sum(len(o.outputs[0].token_ids) > 0 for o in outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_fixed_depth_decode_steps_wait_only_when_they_sample(tmp_path, enforce_eager):
+    engine = make_engine(
+        write_tiny_ouro(tmp_path / "m", seed=3),
+        device="cuda",
+        backend="triton",
+        block_size=16,
+        num_kv_blocks=256,
+        enforce_eager=enforce_eager,
+    )
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, exit_threshold=1.0)
+    engine.add_request("a", list(range(1, 40)), params)
+    for _ in range(6):  # prefill, then a few decode steps: kernels compiled, pinned blocks cached
+        engine.step()
+    quiet = waiting = 0
+    while engine.has_unfinished_requests():
+        syncs, produced = _syncs(engine)
+        if syncs == 0:
+            quiet += 1
+        else:
+            waiting += 1
+            assert produced or not engine.has_unfinished_requests(), "a step waited for nothing"
+    assert quiet >= 2 * waiting, (quiet, waiting)  # D = 4: three of four steps do not wait
