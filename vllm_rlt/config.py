@@ -42,8 +42,8 @@ class ModelConfig:
         "seed for dummy weights and for the seeds drawn for requests that give none", default=0
     )
     enforce_eager: bool = _help(
-        "run every recurrent-core invocation eagerly: no CUDA graphs (by default decode "
-        "invocations replay graphs captured at start on CUDA with the triton backend)",
+        "run every recurrent-core invocation eagerly: no CUDA graphs (by default invocations of "
+        "up to 2048 rows replay graphs captured at start on CUDA with the triton backend)",
         default=False,
     )
 

@@ -8,6 +8,7 @@ row's own turns the output NaN. Block tables use disjoint physical blocks in shu
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -162,6 +163,49 @@ def test_decode_only_mha(use_dot: bool) -> None:
     for num_splits, seed in ((1, 3), (4, 4)):
         case = _make_case(DECODE, 2, 2, 16, 16, torch.float32, device, seed=seed)
         _check(case, FP32_TOL, num_splits=num_splits, decode_config=cfg)
+
+
+def _pad_tiles(meta: AttentionMetadata, num_one_pad: int, num_chunk_pad: int) -> AttentionMetadata:
+    """The tile table in launch order, each launch followed by tiles of zero rows (as a CUDA-graph
+    bucket fills its fixed grids); they name the last segment, which has history to read."""
+    order = meta.tile_order.long()
+    k, last = meta.num_one_row_tiles, meta.num_segments - 1
+
+    def padded(t: torch.Tensor, fill: int) -> torch.Tensor:
+        t = t[order]
+        one, chunk = (torch.full((n,), fill, dtype=t.dtype) for n in (num_one_pad, num_chunk_pad))
+        return torch.cat([t[:k], one.to(t.device), t[k:], chunk.to(t.device)])
+
+    num_tiles = order.shape[0] + num_one_pad + num_chunk_pad
+    return replace(
+        meta,
+        tile_seg=padded(meta.tile_seg, last),
+        tile_row_start=padded(meta.tile_row_start, meta.seg_row_starts_host[last]),
+        tile_num_rows=padded(meta.tile_num_rows, 0),
+        tile_order=torch.arange(num_tiles, dtype=torch.int32, device=order.device),
+        num_one_row_tiles=k + num_one_pad,
+    )
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_zero_row_tiles_change_nothing(num_splits: int) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, k_cache, v_cache, meta = _make_case(MIXED, 4, 2, 16, 4, torch.float32, device, 12)
+    _check((q, k, v, k_cache, v_cache, _pad_tiles(meta, 5, 3)), FP32_TOL, num_splits)
+
+
+def test_zero_row_tile_writes_nothing() -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, k_cache, v_cache, meta = _make_case(MIXED, 4, 2, 16, 4, torch.float32, device, 13)
+    expected = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta)  # writes the KV
+    num_rows = meta.tile_num_rows.clone()
+    num_rows[0] = 0  # tile 0: rows 0-15 of the 37-row chunk
+    out = torch.full_like(q, float("nan"))
+    paged_attention(
+        q, k_cache, v_cache, replace(meta, tile_num_rows=num_rows), num_splits=1, out=out
+    )
+    assert torch.isnan(out[:16]).all()
+    assert _rel_err(out[16:], expected[16:]) <= FP32_TOL
 
 
 def test_kv_write() -> None:

@@ -1,7 +1,9 @@
-"""CUDA-graph replay of one-row-segment (decode) invocations: the padded static-buffer call equals
-the eager invocation (hidden, gate logits, KV), padding rows touch only the scratch block, and
-generation through the static-buffer path equals eager generation. On CPU the static-buffer call
-runs eagerly (exactly the call a graph records); `gpu` tests capture and replay."""
+"""CUDA-graph replay: the padded static-buffer call equals the eager invocation (hidden, gate
+logits, KV) for decode invocations and for mixed ones (prefill chunks of 1-65 rows beside decode
+rows, rows of several requests at several depths), padding rows touch only the scratch block, and
+generation through the static-buffer path equals eager generation (split, WCPB, atomic, decode
+cohorts). On CPU the static-buffer call runs eagerly (exactly the call a graph records); `gpu`
+tests capture and replay."""
 
 from __future__ import annotations
 
@@ -15,21 +17,25 @@ from tests.engine.harness import compare, kv_all_free, make_engine, random_jobs,
 from tests.helpers import GQA, rel_err, tiny_model
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.models.tiny import write_tiny_ouro
-from vllm_rlt.worker.cuda_graph import DecodeGraphRunner, row_buckets
+from vllm_rlt.worker.cuda_graph import CudaGraphRunner
+from vllm_rlt.worker.graph_tables import GraphSpec, graph_specs
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.paged_executor import PagedExecutor, Segment
 
 BLOCK_SIZE = 4
-# (request, prompt length, depth of its decode row): rows at different requests, depths, blocks
-DECODE_ROWS = [("a", 7, 0), ("b", 5, 2), ("c", 11, 3)]
-
-
-def test_row_buckets():
-    assert row_buckets(1) == (1,)
-    assert row_buckets(6) == (1, 2, 4, 6)
-    assert row_buckets(32) == (1, 2, 4, 8, 16, 24, 32)
-    assert row_buckets(100)[-3:] == (80, 96, 100)
-    assert row_buckets(1000)[-1] == 256
+SPECS = graph_specs(6, 100)  # decode graphs of 1, 2, 4, 6 rows; mixed of 8, 16, 32, 64, 100
+# decode rows (request, position, depth): at different requests, depths, blocks
+DECODE = [Segment("a", 7, 1, 0), Segment("b", 5, 1, 2), Segment("c", 11, 1, 3)]
+# a mixed invocation of 83 rows (bucket 100): a 65-row chunk (tiles of 64 and 1 rows), decode
+# rows, a 1-row prefill piece, two pieces of one request at two depths, a short piece
+MIXED = [
+    Segment("a", 0, 65, 0),
+    Segment("b", 9, 1, 0),
+    Segment("c", 20, 1, 2),
+    Segment("c", 21, 12, 1),
+    Segment("d", 33, 1, 3),
+    Segment("e", 5, 3, 1),
+]
 
 
 def test_scratch_block_is_never_handed_out():
@@ -42,35 +48,58 @@ def test_scratch_block_is_never_handed_out():
     assert manager.num_free_blocks == 0 and handed == set(range(12))
 
 
-def _decode_setup(backend: str, device: str = "cpu", dtype=torch.float32):
-    """An executor whose requests hold prompt KV in every plane and room for one decode row."""
+def random_segments(rng: random.Random) -> list[Segment]:
+    """2-5 requests, each with a history and 1-2 pieces at consecutive positions and distinct
+    depths (1-17 rows: decode rows and prefill pieces), in random order."""
+    segments = []
+    for i in range(rng.randint(2, 5)):
+        start = rng.randint(0, 40)
+        for depth in rng.sample(range(4), rng.randint(1, 2)):
+            n = rng.choice([1, 1, 2, 3, 9, 17])
+            segments.append(Segment(f"r{i}", start, n, depth))
+            start += n
+    rng.shuffle(segments)
+    return segments
+
+
+def _setup(segments, backend: str, device: str = "cpu", dtype=torch.float32):
+    """An executor whose cache holds random KV (every position a row may read) and room for
+    the segments, and random input rows [R, H]."""
     model = tiny_model(seed=3, backend=backend, device=device, dtype=dtype, **GQA)
-    ex = PagedExecutor.create(model, num_blocks=64, block_size=BLOCK_SIZE)
-    rng = random.Random(0)
-    for req, length, _ in DECODE_ROWS:
-        ex.prefill_all_depths(req, rng.choices(range(model.config.vocab_size), k=length))
-        ex.kv_manager.reserve(req, length + 1)
-    segments = [Segment(req, length, 1, depth) for req, length, depth in DECODE_ROWS]
+    ex = PagedExecutor.create(model, num_blocks=512, block_size=BLOCK_SIZE)
+    ends = {}
+    for s in segments:
+        ends[s.req_id] = max(ends.get(s.req_id, 0), s.token_start + s.num_tokens)
+    for req, end in ends.items():
+        ex.kv_manager.reserve(req, end)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    hidden = torch.randn(len(segments), model.config.hidden_size, generator=gen)
-    return ex, segments, hidden.to(device, dtype)
+    ex.kv_cache.kv.copy_(torch.randn(ex.kv_cache.kv.shape, generator=gen))
+    hidden = torch.randn(
+        sum(s.num_tokens for s in segments), model.config.hidden_size, generator=gen
+    )
+    return ex, hidden.to(device, dtype)
 
 
-def _static_call(ex: PagedExecutor, graphs: DecodeGraphRunner, segments, hidden):
+def _static_call(ex: PagedExecutor, graphs: CudaGraphRunner, segments, hidden):
     """The invocation through the graph runner, its input rows gathered from a larger buffer."""
-    states = torch.zeros(10, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    index = np.array([7, 2, 5][: len(segments)], dtype=np.int64)
-    states[torch.from_numpy(index)] = hidden
-    starts = [s.token_start for s in segments]
-    tables = [ex.kv_manager.block_table(s.req_id, ex.kv_manager.plane(s.depth)) for s in segments]
-    inv = graphs.prepare(starts, [1] * len(segments), tables, index, states)
+    r = hidden.shape[0]
+    states = torch.zeros(3 * r, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    index = np.random.default_rng(0).permutation(3 * r)[:r]
+    states[torch.from_numpy(index).to(hidden.device)] = hidden
+    m = ex.kv_manager
+    inv = graphs.prepare(
+        [s.token_start for s in segments],
+        [s.num_tokens for s in segments],
+        [m.block_table(s.req_id, m.plane(s.depth)) for s in segments],
+        index,
+        states,
+    )
     assert inv is not None
     return inv, *graphs.run(inv)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_padded_static_invocation_equals_eager(backend):
-    ex, segments, hidden = _decode_setup(backend)
+def _check_equals_eager(segments, backend, spec: GraphSpec):
+    ex, hidden = _setup(segments, backend)
     scratch = ex.kv_cache.scratch_block
     ex.kv_cache.kv[:, :, scratch] = 7.0  # a sentinel the padding rows overwrite
     kv_before = ex.kv_cache.kv.clone()
@@ -79,17 +108,18 @@ def test_padded_static_invocation_equals_eager(backend):
 
     ex.kv_cache.kv.copy_(kv_before)
     max_context = ex.model.config.max_position_embeddings
-    graphs = DecodeGraphRunner(ex.model, ex.kv_cache, 6, max_context, capture=False)
+    graphs = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, max_context, capture=False)
     inv, out, gate = _static_call(ex, graphs, segments, hidden)
-    assert (inv.bucket, out.shape[0], gate.shape[0]) == (4, 3, 3)  # 3 rows padded to bucket 4
-    assert inv.meta.max_context == max_context
+    assert inv.spec == spec and inv.meta.max_context == max_context
+    assert out.shape[0] == gate.shape[0] == hidden.shape[0] < spec.num_rows  # padded
     assert rel_err(out, eager.hidden) < 1e-6
     assert rel_err(gate, eager.gate_logits) < 1e-6
 
-    kv = ex.kv_cache.kv
+    kv, m = ex.kv_cache.kv, ex.kv_manager
     written = torch.zeros(kv.shape[2] * BLOCK_SIZE, dtype=torch.bool)
     for s in segments:
-        written[ex.kv_manager.slot(s.req_id, ex.kv_manager.plane(s.depth), s.token_start)] = True
+        for pos in range(s.token_start, s.token_start + s.num_tokens):
+            written[m.slot(s.req_id, m.plane(s.depth), pos)] = True
     flat = kv.flatten(2, 3)
     # the real rows wrote what the eager call wrote
     assert rel_err(flat[:, :, written], kv_eager.flatten(2, 3)[:, :, written]) < 1e-6
@@ -100,15 +130,44 @@ def test_padded_static_invocation_equals_eager(backend):
     assert (kv[:, :, scratch, 0] != 7.0).all()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_decode_invocation_equals_eager(backend):
+    _check_equals_eager(DECODE, backend, GraphSpec(4, 0))  # 3 rows in the 4-row decode graph
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_mixed_invocation_equals_eager(backend):
+    _check_equals_eager(MIXED, backend, GraphSpec(100, 50))
+
+
+@pytest.mark.parametrize("backend,seed", [("torch", s) for s in range(4)] + [("triton", 4)])
+def test_random_mixed_invocations_equal_eager(backend, seed):
+    segments = random_segments(random.Random(seed))
+    rows = sum(s.num_tokens for s in segments)
+    while rows in {s.num_rows for s in SPECS} or max(s.num_tokens for s in segments) == 1:
+        segments.append(Segment(f"x{rows}", 3, 2, 1))  # keep the call mixed and padded
+        rows += 2
+    spec = min(s for s in SPECS if s.num_chunk_slots and s.num_rows >= rows)
+    _check_equals_eager(segments, backend, spec)
+
+
 def test_prepare_declines_what_no_graph_fits():
-    ex, segments, hidden = _decode_setup("torch")
-    graphs = DecodeGraphRunner(ex.model, ex.kv_cache, 2, 64, capture=False)
-    states, index = hidden, np.arange(3)
-    tables = [ex.kv_manager.block_table(s.req_id, s.depth) for s in segments]
-    assert graphs.prepare([7, 5, 11], [1, 1, 1], tables, index, states) is None  # 3 rows > 2
-    assert graphs.prepare([3, 5], [2, 1], tables[:2], index[:3], states) is None  # a 2-row segment
-    assert graphs.prepare([64], [1], tables[:1], index[:1], states) is None  # past max_context
-    assert graphs.prepare([7, 5], [1, 1], tables[:2], index[:2], states[:2]).bucket == 2
+    ex, hidden = _setup(DECODE, "torch")
+    specs = graph_specs(2, 4)  # decode graphs of 1 and 2 rows, a mixed graph of 4
+    graphs = CudaGraphRunner(ex.model, ex.kv_cache, specs, 64, capture=False)
+    states = torch.zeros(8, hidden.shape[1])
+    tables = [(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)] * 5
+
+    def spec(starts, counts):
+        inv = graphs.prepare(starts, counts, tables[: len(starts)], np.arange(sum(counts)), states)
+        return inv and inv.spec
+
+    assert spec([7, 5], [1, 1]) == GraphSpec(2, 0)
+    assert spec([7, 5, 11], [1, 1, 1]) == GraphSpec(4, 2)  # decode rows in the mixed graph
+    assert spec([3, 5], [2, 1]) == GraphSpec(4, 2)
+    assert spec([1, 2, 3, 4, 5], [1] * 5) is None  # 5 rows > 4
+    assert spec([63, 5], [2, 1]) is None  # position 63 fits, 64 does not
+    assert spec([62, 5], [2, 1]) == GraphSpec(4, 2)
 
 
 @pytest.fixture(scope="module")
@@ -116,66 +175,106 @@ def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=5)
 
 
-def _force_static(engine) -> list[tuple[int, int]]:
-    """Give the engine's runner a graph runner; returns the (bucket, rows) of each of its calls."""
-    max_context = engine.model_config.max_position_embeddings
-    graphs = DecodeGraphRunner(
-        engine.model, engine.runner.kv_cache, engine.config.scheduler.max_num_seqs, max_context,
-        capture=False,
-    )  # fmt: skip
-    calls, run = [], graphs.run
-    graphs.run = lambda inv: (calls.append((inv.bucket, inv.hidden.shape[0])), run(inv))[1]
-    engine.runner.graphs = graphs
+def _record(graphs: CudaGraphRunner) -> list[tuple[GraphSpec | None, int]]:
+    """Record (spec or None when declined, rows) of every invocation the graph runner sees."""
+    calls, prepare = [], graphs.prepare
+
+    def recording_prepare(starts, counts, *args):
+        inv = prepare(starts, counts, *args)
+        calls.append((inv and inv.spec, sum(counts)))
+        return inv
+
+    graphs.prepare = recording_prepare
     return calls
 
 
-# workloads whose decode-only invocations include padded ones (3 rows in bucket 4, 5 in 6)
-CASES = [("torch", "mixed", 3), ("torch", "refill", 1), ("triton", "no_refill", 4)]
+def _force_static(engine) -> list[tuple[GraphSpec | None, int]]:
+    """Give the engine's runner a graph runner without capture; returns its calls (`_record`)."""
+    sc = engine.config.scheduler
+    graphs = CudaGraphRunner(
+        engine.model,
+        engine.runner.kv_cache,
+        graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens),
+        engine.model_config.max_position_embeddings,
+        capture=False,
+    )
+    engine.runner.graphs = graphs
+    return _record(graphs)
 
 
-@pytest.mark.parametrize("backend,mode,chunk", CASES)
-def test_generation_through_static_buffers_equals_eager(model_dir, backend, mode, chunk):
-    jobs = random_jobs(random.Random(4), 8, vocab=256, depth=4, max_prompt=20)
-    kw = dict(scheduling_mode=mode, prefill_chunk_size=chunk, max_num_seqs=6)
-    kw["max_num_batched_tokens"] = 9
-    want = run_batched(make_engine(model_dir, "cpu", backend, **kw), jobs)
+# workloads (backend, scheduling mode, wavefront, chunk, budget): split, WCPB, atomic (refill,
+# whose decode-only invocations include padded ones), decode cohorts
+CASES = [
+    ("torch", "mixed", False, 3, 9),
+    ("torch", "mixed", True, 5, 13),
+    ("torch", "refill", False, 7, 9),
+    ("triton", "mixed", True, 4, 11),
+    ("triton", "no_refill", False, 4, 9),
+]
+
+
+@pytest.mark.parametrize("backend,mode,wavefront,chunk,budget", CASES)
+def test_generation_through_static_buffers_equals_eager(
+    model_dir, backend, mode, wavefront, chunk, budget
+):
+    num_jobs = 8 if backend == "torch" else 5  # the interpreter is slow
+    jobs = random_jobs(random.Random(4), num_jobs, vocab=256, depth=4, max_prompt=20)
+    kw = dict(scheduling_mode=mode, wavefront_chunked_prefill=wavefront, max_num_seqs=6)
+    kw.update(prefill_chunk_size=chunk, max_num_batched_tokens=budget)
+    want = run_batched(make_engine(model_dir, "cpu", backend, enforce_eager=True, **kw), jobs)
     eng = make_engine(model_dir, "cpu", backend, **kw)
     calls = _force_static(eng)
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "last_exited") == 0
     assert kv_all_free(eng)
-    assert any(bucket > rows for bucket, rows in calls), "no invocation was padded"
-    assert any(rows > 1 for _, rows in calls)
+    assert all(spec is not None for spec, _ in calls), "an invocation ran eagerly"
+    mixed = [(spec, rows) for spec, rows in calls if spec.num_chunk_slots]
+    assert any(spec.num_rows > rows for spec, rows in mixed), "no mixed call was padded"
+    assert len(mixed) < len(calls), "no decode graph ran"
 
 
+# ---- GPU: capture and replay ----------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_gpu_graph_replay_equals_eager(dtype, tol):
-    ex, segments, hidden = _decode_setup("triton", "cuda", dtype)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cases = [DECODE, MIXED, DECODE[:1], *(random_segments(random.Random(s)) for s in range(4))]
+    ex, _ = _setup([s for case in cases for s in case], "triton", "cuda", dtype)
     kv_before = ex.kv_cache.kv.clone()
-    graphs = DecodeGraphRunner(ex.model, ex.kv_cache, 6, 1024)
-    assert sorted(graphs.graphs) == [1, 2, 4, 6]
-    for rows in (3, 1, 2):  # replays with different metadata in the same buffers
+    graphs = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, 1024)
+    assert sorted(graphs.graphs) == sorted(SPECS)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    used = set()
+    for segments in cases:  # replays of several graphs with different tables in the same buffers
+        rows = sum(s.num_tokens for s in segments)
+        hidden = torch.randn(rows, ex.model.config.hidden_size, generator=gen).to("cuda", dtype)
         ex.kv_cache.kv.copy_(kv_before)
-        eager = ex.loop(segments[:rows], hidden[:rows])
+        eager = ex.loop(segments, hidden)
+        kv_eager = ex.kv_cache.kv.clone()
         ex.kv_cache.kv.copy_(kv_before)
-        _, out, gate = _static_call(ex, graphs, segments[:rows], hidden[:rows])
+        inv, out, gate = _static_call(ex, graphs, segments, hidden)
+        used.add(inv.spec)
         assert rel_err(out, eager.hidden) < tol
         assert rel_err(gate, eager.gate_logits) < tol
+        scratch = ex.kv_cache.scratch_block
+        ex.kv_cache.kv[:, :, scratch] = kv_eager[:, :, scratch]
+        assert rel_err(ex.kv_cache.kv, kv_eager) < tol
+    assert GraphSpec(100, 50) in used and GraphSpec(4, 0) in used and len(used) >= 4
 
 
 @pytest.mark.gpu
-def test_gpu_generation_with_graphs_equals_eager(model_dir):
+@pytest.mark.parametrize("mode,wavefront,chunk,budget", [c[1:] for c in CASES[:3]])
+def test_gpu_generation_with_graphs_equals_eager(model_dir, mode, wavefront, chunk, budget):
     jobs = random_jobs(random.Random(5), 10, vocab=256, depth=4)
-    kw = dict(scheduling_mode="refill", prefill_chunk_size=2, max_num_seqs=6)
-    kw["max_num_batched_tokens"] = 9
+    kw = dict(scheduling_mode=mode, wavefront_chunked_prefill=wavefront, max_num_seqs=6)
+    kw.update(prefill_chunk_size=chunk, max_num_batched_tokens=budget)
     want = run_batched(make_engine(model_dir, "cuda", "triton", enforce_eager=True, **kw), jobs)
     eng = make_engine(model_dir, "cuda", "triton", **kw)
     graphs = eng.runner.graphs
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 6]
-    calls, run = [], graphs.run
-    graphs.run = lambda inv: (calls.append((inv.bucket, inv.hidden.shape[0])), run(inv))[1]
+    assert graphs is not None and sorted(graphs.graphs) == sorted(graph_specs(6, budget))
+    calls = _record(graphs)
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "last_exited") == 0
-    assert len(calls) > 10 and any(bucket > rows for bucket, rows in calls)
+    assert all(spec is not None for spec, _ in calls)
+    assert any(spec.num_chunk_slots and spec.num_rows > rows for spec, rows in calls)
     assert make_engine(model_dir, "cuda", "triton", enforce_eager=True).runner.graphs is None

@@ -26,21 +26,15 @@ def _syncs(engine) -> tuple[int, int]:
     return syncs, sum(len(o.outputs[0].token_ids) > 0 for o in outs)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_fixed_depth_decode_steps_wait_only_when_they_sample(tmp_path, enforce_eager):
-    engine = make_engine(
-        write_tiny_ouro(tmp_path / "m", seed=3),
-        device="cuda",
-        backend="triton",
-        block_size=16,
-        num_kv_blocks=256,
-        enforce_eager=enforce_eager,
-    )
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, exit_threshold=1.0)
-    engine.add_request("a", list(range(1, 40)), params)
-    for _ in range(6):  # prefill, then a few decode steps: kernels compiled, pinned blocks cached
-        engine.step()
+def _cuda_engine(tmp_path, **kw):
+    """An fp32 engine with Triton attention on CUDA over a tiny random Ouro."""
+    model = write_tiny_ouro(tmp_path / "m", seed=3)
+    return make_engine(model, "cuda", "triton", block_size=16, num_kv_blocks=256, **kw)
+
+
+def _run_counting_waits(engine) -> tuple[int, int]:
+    """Step until every request finished: (steps without a wait, steps with one); a step may
+    wait only to read back the tokens it produced."""
     quiet = waiting = 0
     while engine.has_unfinished_requests():
         syncs, produced = _syncs(engine)
@@ -49,4 +43,43 @@ def test_fixed_depth_decode_steps_wait_only_when_they_sample(tmp_path, enforce_e
         else:
             waiting += 1
             assert produced or not engine.has_unfinished_requests(), "a step waited for nothing"
+    return quiet, waiting
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_fixed_depth_decode_steps_wait_only_when_they_sample(tmp_path, enforce_eager):
+    engine = _cuda_engine(tmp_path, enforce_eager=enforce_eager)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, exit_threshold=1.0)
+    engine.add_request("a", list(range(1, 40)), params)
+    for _ in range(6):  # prefill, then a few decode steps: kernels compiled, pinned blocks cached
+        engine.step()
+    quiet, waiting = _run_counting_waits(engine)
     assert quiet >= 2 * waiting, (quiet, waiting)  # D = 4: three of four steps do not wait
+
+
+@pytest.mark.gpu
+def test_prefill_steps_replay_mixed_graphs_without_waiting(tmp_path):
+    """WCPB steps whose invocations carry prefill chunks replay mixed graphs, and a step that
+    samples nothing queues its work and returns without waiting for the GPU."""
+    engine = _cuda_engine(
+        tmp_path, wavefront_chunked_prefill=True, prefill_chunk_size=16, max_num_batched_tokens=40
+    )
+    graphs = engine.runner.graphs
+    specs, prepare = [], graphs.prepare
+
+    def recording_prepare(*args):
+        inv = prepare(*args)
+        specs.append(inv and inv.spec)
+        return inv
+
+    graphs.prepare = recording_prepare
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, exit_threshold=1.0)
+    engine.add_request("warm", list(range(1, 90)), params)  # kernels compiled, pinned blocks cached
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("a", list(range(1, 120)), params)
+    engine.add_request("b", list(range(5, 70)), params)
+    quiet, waiting = _run_counting_waits(engine)
+    assert quiet >= 2 * waiting, (quiet, waiting)
+    assert any(spec is not None and spec.num_chunk_slots for spec in specs), "no mixed graph ran"

@@ -18,6 +18,10 @@ import torch
 
 from vllm_rlt.worker.host_copy import to_device
 
+# rows per attention tile in the engine: chunk rows share KV loads (64 measured best for 128-token
+# chunks on the H200, docs/benchmarks/attention-microbench.md); decode rows get one-row tiles
+TILE_ROWS = 64
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -32,13 +36,13 @@ class AttentionMetadata:
     tile_rows: int  # rows per kernel tile (tiles never straddle segments)
     tile_seg: torch.Tensor  # [T] int32: segment of each tile
     tile_row_start: torch.Tensor  # [T] int32: first row of each tile
-    tile_num_rows: torch.Tensor  # [T] int32: rows in each tile (<= tile_rows)
+    tile_num_rows: torch.Tensor  # [T] int32: rows in each tile (<= tile_rows; 0: a padding tile)
     seg_row_starts_host: tuple[int, ...]  # host copy of seg_row_starts
     seg_token_starts_host: tuple[int, ...]  # host copy of seg_token_starts
     max_context: int  # largest number of KV positions any row sees
     tile_order: torch.Tensor  # [T] int32: tile indices, one-row tiles first (one launch per class)
-    num_one_row_tiles: int  # how many tiles have one row (the head of tile_order: decode rows)
-    max_tile_rows: int  # largest tile_num_rows (kernels size their row block by it)
+    num_one_row_tiles: int  # length of the one-row launch: the head of tile_order (decode rows)
+    max_tile_rows: int  # row block of the multi-row launch: >= the rows of every tile in it
 
     @property
     def num_rows(self) -> int:

@@ -23,7 +23,8 @@ from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
 from vllm_rlt.sampling_params import SamplingParams
-from vllm_rlt.worker.cuda_graph import DecodeGraphRunner, graphs_supported
+from vllm_rlt.worker.cuda_graph import CudaGraphRunner, graphs_supported
+from vllm_rlt.worker.graph_tables import graph_specs
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.model_runner import ModelRunner
 
@@ -76,7 +77,8 @@ class LLMEngine:
         graphs = None
         if not mc.enforce_eager and graphs_supported(self.model):
             max_context = min(c.max_position_embeddings, self.kv_manager.max_tokens_per_request())
-            graphs = DecodeGraphRunner(self.model, kv_cache, sc.max_num_seqs, max_context)
+            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens)
+            graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context)
         self.runner = ModelRunner(
             self.model,
             kv_cache,

@@ -5,7 +5,8 @@ all query heads of its GQA group, and optionally one KV split. It reads the segm
 streams KV blocks of that plane up to the tile's last position with an fp32 online softmax, and
 masks per row (key position <= row position). Tiles are launched in two classes: one-row tiles
 (decode rows; rows x heads padded to the dot's minimum of 16, or a broadcast-and-sum for MHA) and
-multi-row tiles (prefill chunks; rows x heads form the M side of `tl.dot`).
+multi-row tiles (prefill chunks; rows x heads form the M side of `tl.dot`). A tile of zero rows
+does nothing: CUDA-graph buckets fill their fixed grids with such tiles (worker/graph_tables.py).
 
 When rows are few and contexts long, the KV range is split (flash-decoding): each split writes an
 unnormalised partial output with its running max and sum, and a combine kernel merges them.
@@ -184,11 +185,13 @@ def _paged_attention_kernel(
     F64: tl.constexpr,
 ):
     tile = tl.load(tile_ids_ptr + tl.program_id(0))
+    nrows = tl.load(tile_num_rows_ptr + tile)
+    if nrows == 0:  # a padding tile (CUDA-graph buckets fill fixed grids with them)
+        return
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seg = tl.load(tile_seg_ptr + tile)
     row0 = tl.load(tile_row_start_ptr + tile)
-    nrows = tl.load(tile_num_rows_ptr + tile)
     pos0 = tl.load(seg_token_starts_ptr + seg) + row0 - tl.load(seg_row_starts_ptr + seg)
 
     # M side of the tile: index m = r * GROUP_P2 + g is row r, query head kv_head * GROUP + g.

@@ -1,18 +1,21 @@
-"""CUDA-graph replay of recurrent-core invocations whose segments are all one row (decode).
+"""CUDA-graph replay of recurrent-core invocations: one graph per bucket (`graph_tables.py`).
 
-`DecodeGraphRunner` owns static device buffers sized for its largest row bucket: the input hidden
-rows, the gathered hidden-state row index, and the attention metadata that changes per
-invocation (positions, slots, segment start positions, block tables; the segment and tile tables
-of one-row segments are the same on every invocation of a bucket). An invocation of R one-row
-segments is padded to the smallest bucket B >= R with segments at position 0 of the KV cache's
-scratch block, which the block pool never hands out: padding rows write and read only that block.
-`max_context` is fixed for every bucket, so the attention kernels choose the same KV splits and
-grid on every call and a graph captured once per bucket is valid for any invocation it admits.
+`CudaGraphRunner` owns static device buffers sized for its largest bucket: the input hidden
+rows, one upload buffer for everything a call changes (row, segment and tile tables and the
+gathered state-row index, laid out per bucket by `graph_tables.field_offsets`) and the block-table
+matrix; each graph's `AttentionMetadata` views them. `max_context` is fixed for every graph, so
+the attention kernels choose the same KV splits on every call, and the tile tables have a fixed
+length per bucket (zero-row tiles fill them), so the kernels' grids are fixed too: a graph
+captured once per bucket is valid for any invocation the bucket admits (decode graphs: one-row
+segments only; mixed graphs: any segments).
 
-Per invocation: the host tables (`HostMetadata`, built as for an eager invocation) are packed
-into one pinned buffer and sent with one host-to-device copy (plus one device copy that places the
-block tables), the input rows are gathered into the static input, and the bucket's graph replays.
-Without capture (CPU tests) the very call the graph records runs eagerly over the same buffers.
+Per invocation: the host tables (`HostMetadata`, built as for an eager invocation) and the padding
+rows are packed into one pinned buffer and sent with one host-to-device copy; one device copy
+places the block tables and one fill points the padding segments at the scratch block; the input
+rows are gathered into the static input, and the graph replays. No step waits for the GPU. The
+prelude of entering rows and the scatter of the outputs stay outside the graph (the model
+runner's `_invoke`). Without capture (CPU tests) the very call a graph records runs eagerly over
+the same buffers.
 """
 
 from __future__ import annotations
@@ -22,20 +25,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from vllm_rlt.attention.metadata import AttentionMetadata, HostMetadata
+from vllm_rlt.attention.metadata import TILE_ROWS, AttentionMetadata, HostMetadata
+from vllm_rlt.worker.graph_tables import (
+    GraphSpec,
+    field_offsets,
+    pack,
+    select_spec,
+    tables_offset,
+)
 from vllm_rlt.worker.kv_cache import DeviceKVCache
-
-# row buckets (vLLM-like): dense where decode batches are small, coarser up to 256
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-# bytes per bucket row of the packed upload before the block tables:
-# positions, slot_mapping and the state-row index (int64), seg_token_starts (int32)
-_ROW_BYTES = 8 + 8 + 8 + 4
-
-
-def row_buckets(max_rows: int) -> tuple[int, ...]:
-    """Buckets for invocations of up to `max_rows` one-row segments (capped at 256)."""
-    cap = min(max_rows, BUCKETS[-1])
-    return tuple(b for b in BUCKETS if b < cap) + (cap,)
 
 
 def graphs_supported(model: torch.nn.Module) -> bool:
@@ -51,43 +49,45 @@ def graphs_supported(model: torch.nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class StaticInvocation:
-    """One invocation loaded into the static buffers, ready for `DecodeGraphRunner.run`."""
+    """One invocation loaded into the static buffers, ready for `CudaGraphRunner.run`."""
 
-    bucket: int  # padded rows B: the graph that runs it
+    spec: GraphSpec  # the graph that runs it (its bucket of B rows)
     meta: AttentionMetadata  # [B]-row views of the static buffers (host copies of this call)
     index: torch.Tensor  # [R] int64: hidden-state rows gathered into `hidden` (and scattered back)
     hidden: torch.Tensor  # [R, H] the static input rows (the prelude may overwrite entering rows)
 
 
-class DecodeGraphRunner:
+class CudaGraphRunner:
     def __init__(
         self,
         model: torch.nn.Module,
         kv_cache: DeviceKVCache,
-        max_num_seqs: int,
+        specs: tuple[GraphSpec, ...],
         max_context: int,
+        tile_rows: int = TILE_ROWS,
         capture: bool = True,
     ):
-        """`max_context`: positions a row may have (and KV split sizing for every bucket);
-        `capture=False` runs the padded static-buffer calls eagerly (no CUDA needed)."""
+        """`specs`: the graphs (`graph_tables.graph_specs`); `max_context`: positions a row may
+        have (and KV split sizing for every graph); `tile_rows`: rows per multi-row tile, as the
+        eager runner tiles; `capture=False` runs the padded static-buffer calls eagerly (no CUDA
+        needed)."""
         self.model = model
         self.kv_cache = kv_cache
-        self.buckets = row_buckets(max_num_seqs)
+        self.specs = specs
         self.max_context = max_context
-        self.block_size = kv_cache.block_size
-        self.max_blocks = -(-max_context // self.block_size)
+        self.tile_rows = tile_rows
+        self.max_blocks = -(-max_context // kv_cache.block_size)
         device = kv_cache.kv.device
         self._pin = device.type == "cuda"
-        n = self.buckets[-1]
+        n = max(s.num_rows for s in specs)
+        head = max(tables_offset(s) for s in specs)
         weight = model.lm_head.weight
         self._hidden = torch.zeros(n, model.config.hidden_size, dtype=weight.dtype, device=device)
-        self._upload = torch.zeros(
-            n * (_ROW_BYTES + 4 * self.max_blocks), dtype=torch.uint8, device=device
-        )
+        self._upload = torch.zeros(head + 4 * n * self.max_blocks, dtype=torch.uint8, device=device)
         self._tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self._metas = {b: self._static_meta(b, device) for b in self.buckets}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # bucket -> captured graph
-        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._metas = {s: self._static_meta(s, device) for s in specs}
+        self.graphs: dict[GraphSpec, torch.cuda.CUDAGraph] = {}  # captured graphs
+        self._outputs: dict[GraphSpec, tuple[torch.Tensor, torch.Tensor]] = {}
         if capture:
             self._capture()
 
@@ -100,96 +100,104 @@ class DecodeGraphRunner:
         states: torch.Tensor,
     ) -> StaticInvocation | None:
         """Load an invocation's segments (as for `HostMetadata.build`) and its input rows
-        `states[index]` (states: [N, H], index: [R] int64) into the static buffers; None when the
-        invocation does not fit a graph (a segment of several rows, too many rows, or a position
-        at or past `max_context`): it then runs eagerly."""
-        r = len(token_starts)
-        if r > self.buckets[-1] or max(num_rows) > 1 or max(token_starts) >= self.max_context:
+        `states[index]` (states: [N, H], index: [R] int64) into the static buffers; None when no
+        graph admits the invocation (too many rows, or a position at or past `max_context`): it
+        then runs eagerly."""
+        spec = select_spec(self.specs, num_rows)
+        ends = (s + n for s, n in zip(token_starts, num_rows, strict=True))
+        if spec is None or max(ends) > self.max_context:
             return None
-        b = next(x for x in self.buckets if x >= r)
-        host = self._host(b, token_starts, block_tables)
-        self._load(b, host, index)
+        block_size = self.kv_cache.block_size
+        host = HostMetadata.build(token_starts, num_rows, block_tables, block_size, self.tile_rows)
+        meta = self._load(spec, host, index)
+        r = index.shape[0]
         hidden = self._hidden[:r]
-        rows = self._field(b, 2, torch.int64)[:r]
+        rows = self._field(spec, "index")[:r]
         torch.index_select(states, 0, rows, out=hidden)
-        meta = replace(self._metas[b], seg_token_starts_host=tuple(host.seg_token_starts.tolist()))
-        return StaticInvocation(b, meta, rows, hidden)
+        return StaticInvocation(spec, meta, rows, hidden)
 
     def run(self, inv: StaticInvocation) -> tuple[torch.Tensor, torch.Tensor]:
         """One recurrent-core call over the bucket: (hidden [R, H], gate logits [R] fp32). The
-        hidden rows are a view of the graph's output, valid until the bucket replays again."""
+        hidden rows are a view of the graph's output, valid until the graph replays again."""
         r = inv.hidden.shape[0]
-        graph = self.graphs.get(inv.bucket)
+        graph = self.graphs.get(inv.spec)
         if graph is None:
-            out, gate = self._forward(inv.bucket, inv.meta)
+            out, gate = self._forward(inv.spec, inv.meta)
         else:
             graph.replay()
-            out, gate = self._outputs[inv.bucket]
+            out, gate = self._outputs[inv.spec]
         return out[:r], gate[:r].clone()
 
     # ---- static buffers ---------------------------------------------------------------------
-    def _host(
-        self, bucket: int, token_starts: list[int], block_tables: list[tuple[int, ...]]
-    ) -> HostMetadata:
-        """Host tables of one-row segments padded to `bucket` with scratch-block segments."""
-        pad = bucket - len(token_starts)
-        return HostMetadata.build(
-            [*token_starts, *[0] * pad],
-            [1] * bucket,
-            [*block_tables, *[(self.kv_cache.scratch_block,)] * pad],
-            self.block_size,
-            tile_rows=1,
-        )
+    def _field(self, spec: GraphSpec, name: str) -> torch.Tensor:
+        """A fixed-size field of the spec's upload layout, as a device tensor view."""
+        offset, dtype, length = field_offsets(spec)[name]
+        torch_dtype = torch.int64 if dtype == np.int64 else torch.int32
+        return self._upload[offset : offset + length * torch_dtype.itemsize].view(torch_dtype)
 
-    def _field(self, bucket: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-        """Field `k` of the bucket's packed upload: 0 positions, 1 slot_mapping, 2 the state-row
-        index (int64), 3 seg_token_starts (int32); each [bucket]."""
-        start = 8 * bucket * k
-        return self._upload[start : start + bucket * dtype.itemsize].view(dtype)
-
-    def _static_meta(self, bucket: int, device: torch.device) -> AttentionMetadata:
-        """The bucket's metadata: constant segment and tile tables, per-call fields as views."""
-        meta = self._host(bucket, [], []).upload(device)
-        return replace(
-            meta,
-            positions=self._field(bucket, 0, torch.int64),
-            slot_mapping=self._field(bucket, 1, torch.int64),
-            seg_token_starts=self._field(bucket, 3, torch.int32),
-            block_tables=self._tables[:bucket],
+    def _static_meta(self, spec: GraphSpec, device: torch.device) -> AttentionMetadata:
+        """The graph's metadata: views of the static buffers, launch shapes fixed for the spec
+        (host copies of the segment tables are filled per call)."""
+        b = spec.num_rows
+        return AttentionMetadata(
+            block_size=self.kv_cache.block_size,
+            positions=self._field(spec, "positions"),
+            slot_mapping=self._field(spec, "slot_mapping"),
+            seg_row_starts=self._field(spec, "seg_row_starts"),
+            seg_token_starts=self._field(spec, "seg_token_starts"),
+            block_tables=self._tables[:b],
+            tile_rows=self.tile_rows,
+            tile_seg=self._field(spec, "tile_seg"),
+            tile_row_start=self._field(spec, "tile_row_start"),
+            tile_num_rows=self._field(spec, "tile_num_rows"),
+            seg_row_starts_host=(),
+            seg_token_starts_host=(),
             max_context=self.max_context,
+            tile_order=torch.arange(spec.num_tiles, dtype=torch.int32, device=device),
+            num_one_row_tiles=b,
+            max_tile_rows=min(self.tile_rows, b) if spec.num_chunk_slots else 1,
         )
 
-    def _load(self, bucket: int, host: HostMetadata, index: np.ndarray) -> None:
-        """Copy the per-call tables into the bucket's static buffers: one host-to-device copy
-        of a pinned buffer (the caching host allocator keeps it until the copy ran), then one
-        device copy of the block tables into place. No host synchronisation."""
-        tables = host.block_tables[:, : self.max_blocks]  # positions < max_context need no more
-        width = tables.shape[1]
-        head = _ROW_BYTES * bucket
-        packed = torch.empty(head + 4 * bucket * width, dtype=torch.uint8, pin_memory=self._pin)
-        a = packed.numpy()
-        for k, values in enumerate((host.positions, host.slot_mapping, index)):
-            a[8 * bucket * k : 8 * bucket * k + 8 * len(values)].view(np.int64)[:] = values
-        a[24 * bucket : head].view(np.int32)[:] = host.seg_token_starts
-        a[head:].view(np.int32)[:] = tables.ravel()
-        self._upload[: packed.shape[0]].copy_(packed, non_blocking=True)
-        staged = self._upload[head : packed.shape[0]].view(torch.int32).view(bucket, width)
-        self._tables[:bucket, :width].copy_(staged)
+    def _load(
+        self, spec: GraphSpec, host: HostMetadata | None, index: np.ndarray
+    ) -> AttentionMetadata:
+        """Copy a call's tables into the spec's static buffers: one host-to-device copy of a
+        pinned buffer (the caching host allocator keeps it until the copy ran), one device copy
+        that places the block tables, one fill for the padding segments' tables. No host
+        synchronisation. Returns the spec's metadata with this call's host copies."""
+        scratch = self.kv_cache.scratch_block
+        slot = scratch * self.kv_cache.block_size
+        packed = pack(spec, host, index, slot, self.max_blocks, self._pin)
+        self._upload[: packed.data.shape[0]].copy_(packed.data, non_blocking=True)
+        s, w, p = packed.num_tables, packed.width, packed.num_padding
+        if s:
+            head = tables_offset(spec)
+            staged = self._upload[head : head + 4 * s * w].view(torch.int32).view(s, w)
+            self._tables[:s, :w].copy_(staged)
+        if p:
+            self._tables[s : s + p, 0].fill_(scratch)  # padding rows: the scratch block's slot 0
+        return replace(
+            self._metas[spec],
+            seg_row_starts_host=packed.seg_row_starts,
+            seg_token_starts_host=packed.seg_token_starts,
+        )
 
     # ---- capture ----------------------------------------------------------------------------
-    def _forward(self, bucket: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.recurrent_core(self._hidden[:bucket], meta, self.kv_cache)
+    def _forward(
+        self, spec: GraphSpec, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.recurrent_core(self._hidden[: spec.num_rows], meta, self.kv_cache)
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Capture one graph per bucket, largest first, all in one memory pool; each after an
-        eager warm-up (kernel compilation) over padding rows only."""
+        """Capture one graph per spec, largest first, all in one memory pool; each after an eager
+        warm-up (kernel compilation) over padding rows only."""
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.buckets):
-            self._load(b, self._host(b, [], []), np.zeros(0, dtype=np.int64))
-            self._forward(b, self._metas[b])
+        for spec in sorted(self.specs, reverse=True):
+            meta = self._load(spec, None, np.zeros(0, dtype=np.int64))
+            self._forward(spec, meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[b] = self._forward(b, self._metas[b])
-            self.graphs[b] = graph
+                self._outputs[spec] = self._forward(spec, meta)
+            self.graphs[spec] = graph

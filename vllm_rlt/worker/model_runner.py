@@ -4,7 +4,8 @@ It mirrors what it needs of each request from the plans (prompt, block tables, s
 settings, hidden-state slot) and never reads the scheduler's `Request`. A step applies the
 skipped-depth KV copies, samples the requests the plan names (coda of their state), then runs
 `loop_count` recurrent-core invocations, each one gathered call over all live rows: replayed as a
-CUDA graph when every segment is one row (decode, `worker/cuda_graph.py`), eagerly otherwise.
+CUDA graph when a bucket admits it (decode rows, prefill chunks, mixed; `worker/cuda_graph.py`),
+eagerly otherwise. Entering rows' prelude and the scatter of the outputs run outside the graph.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_rlt.attention.metadata import build_attention_metadata
+from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
@@ -23,15 +24,11 @@ from vllm_rlt.core.sched.execution_batch import (
     SampledToken,
     StateSpan,
 )
-from vllm_rlt.worker.cuda_graph import DecodeGraphRunner
+from vllm_rlt.worker.cuda_graph import CudaGraphRunner
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.host_copy import to_device
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
-
-# rows per attention tile: chunk rows share KV loads (64 measured best for 128-token chunks on
-# the H200, docs/benchmarks/attention-microbench.md); decode rows get one-row tiles regardless
-TILE_ROWS = 64
 
 
 @dataclass
@@ -50,9 +47,10 @@ class ModelRunner:
         num_planes: int,
         max_num_seqs: int,
         max_ring_rows: int,
-        graphs: DecodeGraphRunner | None = None,
+        graphs: CudaGraphRunner | None = None,
     ):
-        """`graphs`: runs one-row-segment invocations over static buffers (None: all eager)."""
+        """`graphs`: runs the invocations its buckets admit over static buffers (None: all
+        eager)."""
         self.model = model
         self.graphs = graphs
         self.kv_cache = kv_cache

@@ -1,0 +1,116 @@
+"""Graph buckets and their per-call tables: which graph admits an invocation, and the packed
+upload (padding rows at the scratch slot, tiles in launch order, zero-row tiles filling the
+fixed grids, every row in exactly one tile)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_rlt.attention.metadata import HostMetadata
+from vllm_rlt.worker.graph_tables import (
+    DECODE_BUCKETS,
+    GraphSpec,
+    capped,
+    field_offsets,
+    graph_specs,
+    pack,
+    select_spec,
+    tables_offset,
+)
+
+SCRATCH_SLOT = 4000
+
+
+def test_capped_buckets():
+    assert capped(DECODE_BUCKETS, 1) == (1,)
+    assert capped(DECODE_BUCKETS, 6) == (1, 2, 4, 6)
+    assert capped(DECODE_BUCKETS, 32) == (1, 2, 4, 8, 16, 24, 32)
+    assert capped(DECODE_BUCKETS, 100)[-3:] == (80, 96, 100)
+    assert capped(DECODE_BUCKETS, 1000)[-1] == 256
+
+
+def test_graph_specs():
+    specs = graph_specs(8, 1024)
+    decode = [s.num_rows for s in specs if s.num_chunk_slots == 0]
+    mixed = [s.num_rows for s in specs if s.num_chunk_slots > 0]
+    assert decode == [1, 2, 4, 8]
+    assert mixed == [8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024]
+    assert all(s.num_chunk_slots == s.num_rows // 2 for s in specs if s.num_chunk_slots)
+    assert graph_specs(300, 100)[-1] == GraphSpec(100, 50)  # decode rows fit the budget too
+    assert max(s.num_rows for s in graph_specs(8, 5000)) == 2048
+    assert [s.num_rows for s in graph_specs(4, 3)] == [1, 2, 3, 3]
+    assert graph_specs(4, 1) == (GraphSpec(1, 0),)
+
+
+def test_select_spec():
+    specs = graph_specs(6, 100)
+    assert select_spec(specs, [1, 1, 1]) == GraphSpec(4, 0)  # decode rows: a decode graph
+    assert select_spec(specs, [2, 1]) == GraphSpec(8, 4)  # a chunk: the smallest mixed graph
+    assert select_spec(specs, [1] * 7) == GraphSpec(8, 4)  # more decode rows than decode graphs
+    assert select_spec(specs, [65, 1, 30]) == GraphSpec(100, 50)
+    assert select_spec(specs, [65, 40]) is None  # more rows than the largest graph
+
+
+def _tables(spec: GraphSpec, call) -> dict[str, np.ndarray]:
+    a = call.data.numpy()
+    out = {}
+    for name, (offset, dtype, length) in field_offsets(spec).items():
+        out[name] = a[offset : offset + length * np.dtype(dtype).itemsize].view(dtype)
+    head = tables_offset(spec)
+    assert head == a.shape[0] - 4 * call.num_tables * call.width
+    out["tables"] = a[head:].view(np.int32).reshape(call.num_tables, call.width)
+    return out
+
+
+def test_pack_mixed_invocation():
+    # a 65-row chunk (tiles of 64 and 1 rows), a decode row, a 2-row piece, a 1-row piece
+    starts, counts = [0, 7, 3, 12], [65, 1, 2, 1]
+    tables = [list(range(17)), [20, 21], [30, 31], [40, 41, 42, 43]]
+    host = HostMetadata.build(starts, counts, tables, 4, 64)
+    spec = GraphSpec(100, 50)
+    index = np.arange(69, dtype=np.int64)[::-1].copy()
+    call = pack(spec, host, index, SCRATCH_SLOT, 3, pin=False)
+    t = _tables(spec, call)
+    r, b = 69, 100
+    assert (call.num_tables, call.width, call.num_padding) == (4, 3, b - r)
+    np.testing.assert_array_equal(t["tables"], host.block_tables[:, :3])  # cut to max_blocks
+    np.testing.assert_array_equal(t["index"][:r], index)
+    np.testing.assert_array_equal(t["positions"][:r], host.positions)
+    np.testing.assert_array_equal(t["slot_mapping"][:r], host.slot_mapping)
+    assert (t["positions"][r:] == 0).all() and (t["slot_mapping"][r:] == SCRATCH_SLOT).all()
+    # padding rows: one one-row segment each, after the real segments
+    assert call.seg_row_starts == (0, 65, 66, 68, *range(69, b + 1))
+    assert call.seg_token_starts == (0, 7, 3, 12) + (0,) * (b - r)
+    np.testing.assert_array_equal(t["seg_row_starts"][: 5 + b - r], call.seg_row_starts)
+    # tiles: one-row slots [0, B), multi-row slots [B, B + B // 2), zero-row tiles fill both
+    nrows = t["tile_num_rows"]
+    assert (nrows[:b][nrows[:b] > 0] == 1).all() and (nrows[b:][nrows[b:] > 0] > 1).all()
+    assert (nrows[:b] > 0).sum() == 3 + b - r and list(nrows[b : b + 2]) == [64, 2]
+    assert (nrows[b + 2 :] == 0).all() and (t["tile_seg"][nrows == 0] == 0).all()
+    covered = np.zeros(b, dtype=int)
+    for start, n in zip(t["tile_row_start"], nrows, strict=True):
+        covered[start : start + n] += 1
+    assert (covered == 1).all()
+
+
+def test_pack_decode_and_warm_up():
+    host = HostMetadata.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]], 4, 64)
+    spec = GraphSpec(4, 0)
+    t = _tables(spec, pack(spec, host, np.array([3, 1]), SCRATCH_SLOT, 8, pin=False))
+    np.testing.assert_array_equal(t["tile_row_start"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(t["tile_seg"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(t["tile_num_rows"], [1, 1, 1, 1])
+    np.testing.assert_array_equal(t["positions"], [5, 9, 0, 0])
+    warm_up = pack(spec, None, np.zeros(0, dtype=np.int64), SCRATCH_SLOT, 8, pin=False)
+    t = _tables(spec, warm_up)
+    assert warm_up.num_tables == 0 and warm_up.seg_row_starts == (0, 1, 2, 3, 4)
+    assert (t["slot_mapping"] == SCRATCH_SLOT).all()
+
+
+def test_pack_rejects_what_the_spec_cannot_hold():
+    host = HostMetadata.build([0], [3], [[1]], 4, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack(GraphSpec(4, 0), host, np.arange(3), SCRATCH_SLOT, 8, pin=False)  # no chunk slots
+    with pytest.raises(ValueError, match="do not fit"):
+        pack(GraphSpec(2, 1), host, np.arange(3), SCRATCH_SLOT, 8, pin=False)  # too many rows
