@@ -306,7 +306,8 @@ def model_card(report: dict) -> str:
         f"- Tokenizer: byte-level BPE, vocab {cfg['vocab_size']}, trained on the training "
         "split; `<|endoftext|>` = 0 (document separator, bos/eos), `<|im_start|>` = 1, "
         "`<|im_end|>` = 2.",
-        f"- Model: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"- Model: hidden {cfg['hidden_size']}, "
+        f"shared layers per loop: {cfg['num_hidden_layers']}, "
         f"{cfg['num_attention_heads']} heads, intermediate {cfg['intermediate_size']}, "
         f"{cfg['total_ut_steps']} loops, {report['num_params']:,} parameters "
         f"({report['weights_bytes'] / 1e6:.1f} MB bf16).",
