@@ -130,11 +130,6 @@ def _get(run: dict, path: tuple) -> float:
     return float(value)
 
 
-def _timed(run: dict, path: tuple) -> bool:
-    """Profiled runs count only for the busy fraction; timed runs for everything else."""
-    return bool(run.get("profiled")) == (path == ("gpu_busy_fraction",))
-
-
 def _spread(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
 
@@ -148,16 +143,14 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
         for mode in MODES:
             mine = [r for r in runs if (r["chunk"], r["profile"], r["inputs"], r["mode"]) ==
                     (chunk, profile, inputs, mode)]  # fmt: skip
-            own = [r for r in mine if not r.get("profiled")]
-            if not own:
+            timed = [r for r in mine if not r.get("profiled")]
+            if not timed:
                 continue
-            metrics = [*METRICS]
-            if any(r.get("profiled") for r in mine):
-                own, metrics = mine, [*METRICS, (("gpu_busy_fraction",), BUSY)]
-            cell["modes"][mode] = {
-                name: _spread([_get(r, path) for r in own if _timed(r, path)])
-                for path, name in metrics
-            } | {"repeats": sum(not r.get("profiled") for r in own)}
+            stats = {name: _spread([_get(r, path) for r in timed]) for path, name in METRICS}
+            busy = [r["gpu_busy_fraction"] for r in mine if r.get("profiled")]
+            if busy:  # profiled rounds count for the busy fraction only
+                stats[BUSY] = _spread(busy)
+            cell["modes"][mode] = stats | {"repeats": len(timed)}
         m = cell["modes"]
         if "split" in m and "wcpb" in m:
             med = {
