@@ -7,7 +7,9 @@ weights, medians over repeats.
 
 Writes `results.json` (every run), `summary.json` and `README.md` (tables with WCPB/Split
 ratios beside each profile's invocation bound) and PNG plots when matplotlib is installed.
-A run may be split across machines with `--cells` (indices into the cell list). On a GPU,
+A run may be split across calls with `--cells` (indices into the cell list): runs already in
+`results.json` are kept, except those of the cells being run again, and every call's command
+and versions are listed. On a GPU,
 `--busy-rounds` more interleaved rounds per cell run under the CUDA activity recorder and give
 the GPU busy fraction; they are kept out of the other medians (recording perturbs timing).
 """
@@ -21,6 +23,7 @@ import gc
 import itertools
 import json
 import platform
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -120,7 +123,7 @@ def run_one(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "mode": mode, "repeat": repeat}
-    return {**cell, "profiled": profiled, **result}
+    return {**cell, "requests": args.num_requests, "profiled": profiled, **result}
 
 
 def _get(run: dict, path: tuple) -> float:
@@ -140,6 +143,8 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
     keys = sorted({(r["chunk"], r["profile"], r["inputs"]) for r in runs})
     for chunk, profile, inputs in keys:
         cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "modes": {}}
+        cell["requests"] = sorted({r.get("requests") for r in runs if (r["chunk"], r["profile"],
+                                   r["inputs"]) == (chunk, profile, inputs)} - {None})  # fmt: skip
         for mode in MODES:
             mine = [r for r in runs if (r["chunk"], r["profile"], r["inputs"], r["mode"]) ==
                     (chunk, profile, inputs, mode)]  # fmt: skip
@@ -169,21 +174,20 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(cells_summary: list[dict], meta: dict) -> str:
-    lines = [
-        "# WCPB matrix",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"GPU: {meta['gpu']}; torch {meta['torch']}; triton {meta['triton']}; "
-        f"Python {meta['python']}; model {meta['shape']} ({meta['dtype']}, dummy weights, "
-        "fixed depth).",
-        "",
-        "Medians over repeats (min-max in brackets). Modes of a cell ran interleaved.",
-        "",
-    ]
+def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
+    lines = ["# WCPB matrix", "", "Commands (one per call; later calls replace earlier cells):", ""]
+    for meta in calls:
+        lines.append(
+            f"- `{meta['command']}` (commit {meta.get('commit', 'unknown')[:10]}): "
+            f"GPU {meta['gpu']}; torch {meta['torch']}; triton {meta['triton']}; "
+            f"Python {meta['python']}; model {meta['shape']} ({meta['dtype']}, "
+            "dummy weights, fixed depth)."
+        )
+    lines += ["", "Medians over repeats (min-max in brackets); modes interleaved per cell.", ""]
     for cell in cells_summary:
+        requests = "/".join(str(n) for n in cell["requests"])
         lines.append(f"## chunk {cell['chunk']}, {cell['profile']}, {cell['inputs']} inputs")
-        lines.append("")
+        lines += ["", f"{requests} requests per run.", ""]
         names = [name for _, name in METRICS]
         if any(BUSY in vals for vals in cell["modes"].values()):
             names.append(BUSY)
@@ -229,6 +233,23 @@ def plot(cells_summary: list[dict], out_dir: Path) -> None:
         plt.close(fig)
 
 
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _save(out_dir: Path, calls: list[dict], runs: list[dict]) -> list[dict]:
+    summary = summarize_matrix(runs)
+    (out_dir / "results.json").write_text(json.dumps({"calls": calls, "runs": runs}, indent=1))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "README.md").write_text(markdown(summary, calls))
+    plot(summary, out_dir)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out-dir", required=True)
@@ -266,7 +287,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     todo = cells(args.chunks)
     if args.cells is not None:
         todo = [todo[i] for i in args.cells]
-    runs = []
+    meta = {
+        "command": "python -m benchmarks.wcpb_matrix " + " ".join(argv or sys.argv[1:]),
+        "commit": _commit(),
+        "args": vars(args),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+        "shape": args.shape,
+        "dtype": args.dtype,
+    }
+    calls, runs = [meta], []
+    if (out_dir / "results.json").exists():  # an earlier call's cells: keep those not rerun
+        old = json.loads((out_dir / "results.json").read_text())
+        calls = old["calls"] + calls
+        runs = [r for r in old["runs"] if (r["chunk"], r["profile"], r["inputs"]) not in todo]
     for chunk, profile, inputs in todo:
         repeats = args.arrival_repeats if profile == "arrival" else args.repeats
         busy_rounds = args.busy_rounds if torch.cuda.is_available() else 0
@@ -277,21 +313,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 s = runs[-1]["summary"]
                 print(f"chunk {chunk} {profile} {inputs} r{r} {mode}: "
                       f"{s['request_throughput']:.3f} req/s", flush=True)  # fmt: skip
-    meta = {
-        "command": "python -m benchmarks.wcpb_matrix " + " ".join(argv or sys.argv[1:]),
-        "args": vars(args),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "python": platform.python_version(),
-        "shape": args.shape,
-        "dtype": args.dtype,
-    }
-    summary = summarize_matrix(runs)
-    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "README.md").write_text(markdown(summary, meta))
-    plot(summary, out_dir)
+        summary = _save(out_dir, calls, runs)  # after every cell: a cut-off call keeps its cells
     return summary
 
 

@@ -105,6 +105,18 @@ def test_wcpb_matrix_smoke_interleaves_modes_and_reports_the_bound(tmp_path):
     assert ratios["prefill rows/prefill inv"] > 1
     assert (tmp_path / "README.md").read_text().startswith("# WCPB matrix")
 
+    # A second call with another cell keeps the first call's runs; rerunning a cell replaces it.
+    again = ["--smoke", "--out-dir", str(tmp_path), "--chunks", "32", "--repeats", "1"]
+    matrix(again + ["--cells", "0"])
+    summary = matrix(again + ["--cells", "2"])
+    assert [(c["profile"], c["inputs"]) for c in summary] == [
+        ("concurrent", "fixed"),
+        ("serial", "fixed"),
+    ]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["calls"]) == 3
+    assert len(results["runs"]) == 3 + 3  # one repeat of each cell, three modes each
+
 
 def test_gpu_busy_merges_overlapping_device_activity():
     events = [
