@@ -9,8 +9,8 @@ For each layer path (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs
 - eager_ms: CUDA events around back-to-back calls after warm-up (host launch cost included);
 - graph_ms: the same invocation captured in a CUDA graph and replayed (GPU time alone);
 - kernels and kernel_ms from torch.profiler over one eager call (kernels, copies and memsets), the
-  most frequent kernel names, and kernels per layer from the difference between the full model
-  and the model cut to half its layers;
+  most frequent kernel names, GPU time and count per kernel name, and kernels per layer from the
+  difference between the full model and the model cut to half its layers;
 - for `fused`, the relative distance of its outputs to the torch path's (same inputs).
 
 The weight floor is the bytes of the shared layers over the device-to-device copy bandwidth
@@ -76,8 +76,8 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def profile_kernels(fn) -> tuple[int, float, Counter]:
-    """(device events, their summed GPU ms, count per name) of one call of fn."""
+def profile_kernels(fn) -> tuple[int, float, Counter, Counter]:
+    """(device events, their summed GPU ms, count per name, GPU us per name) of one call of fn."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -89,8 +89,11 @@ def profile_kernels(fn) -> tuple[int, float, Counter]:
     device = [
         e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
     ]
-    names = Counter(e["name"][:90] for e in device)
-    return len(device), sum(e["dur"] for e in device) / 1e3, names
+    names, micros = Counter(), Counter()
+    for e in device:
+        names[e["name"][:90]] += 1
+        micros[e["name"][:90]] += e["dur"]
+    return len(device), sum(e["dur"] for e in device) / 1e3, names, micros
 
 
 def measure(model, hidden, meta, kv, iters: int) -> dict:
@@ -106,11 +109,11 @@ def measure(model, hidden, meta, kv, iters: int) -> dict:
         core()
     graph_ms = time_ms(graph.replay, iters)
     del graph
-    count, kernel_ms, names = profile_kernels(core)
+    count, kernel_ms, names, micros = profile_kernels(core)
     layers = model.model.layers
     model.model.layers = layers[: len(layers) // 2]
     try:
-        half_count, _, _ = profile_kernels(core)
+        half_count, *_ = profile_kernels(core)
     finally:
         model.model.layers = layers
     return {
@@ -120,6 +123,9 @@ def measure(model, hidden, meta, kv, iters: int) -> dict:
         "kernel_ms": kernel_ms,
         "kernels_per_layer": (count - half_count) / (len(layers) - len(layers) // 2),
         "top_kernels": names.most_common(12),
+        "kernel_us_by_name": [
+            (name, round(us, 1), names[name]) for name, us in micros.most_common()
+        ],
     }
 
 

@@ -271,6 +271,7 @@ def test_bf16_wcpb_differs_from_split_no_more_than_batch_composition(tmp_path):
                 model=str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda",
                 attention_backend="triton", prefill_chunk_size=64, max_num_batched_tokens=128,
                 wavefront_chunked_prefill=wavefront, kv_cache_memory_gb=4.0,
+                enforce_eager=True,  # the recorder hooks the eager recurrent core
             )
         )  # fmt: skip
         rec = StateRecorder(eng)
