@@ -26,7 +26,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner
 from vllm_rlt.worker.hidden_state import HiddenStateStore
-from vllm_rlt.worker.host_copy import to_device
+from vllm_rlt.worker.host_copy import read_back, to_device
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
 
@@ -97,7 +97,7 @@ class ModelRunner:
     def _sample(self, req_ids: tuple[str, ...]):
         """Coda + sampling for `req_ids`; returns (sampled token ids [N] on the device, index of
         each request in them) and a callable that converts them to host results (the step's one
-        read-back)."""
+        read-back: it waits for the sampling, not for the invocations queued after it)."""
         if not req_ids:
             return (None, {}), dict
         mirrors = [self.reqs[r] for r in req_ids]
@@ -116,14 +116,14 @@ class ModelRunner:
             device=self.device,
         )
         out = sample(logits, tensors)
+        # the copies start now, ahead of the step's invocations, which go on while the host waits
+        copied = read_back(out.token_ids, out.logprobs, out.logprob_token_ids)
         for m in mirrors:
             m.num_sampled += 1
         by_req = {r: i for i, r in enumerate(req_ids)}
 
         def to_host() -> dict[str, SampledToken]:
-            ids = out.token_ids.tolist()
-            lps = out.logprobs.tolist() if out.logprobs is not None else None
-            lp_ids = out.logprob_token_ids.tolist() if out.logprob_token_ids is not None else None
+            ids, lps, lp_ids = (None if t is None else t.tolist() for t in copied())
             result = {}
             for r, i in by_req.items():
                 want = self.reqs[r].data.num_logprobs if r in self.reqs else -1
