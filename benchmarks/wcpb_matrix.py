@@ -234,11 +234,15 @@ def plot(cells_summary: list[dict], out_dir: Path) -> None:
 
 
 def _commit() -> str:
+    """HEAD, with "+changes" when the tree differs from it (a copied tree may carry an old HEAD)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
     except OSError:
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    if not head.stdout.strip():
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
 def _save(out_dir: Path, calls: list[dict], runs: list[dict]) -> list[dict]:

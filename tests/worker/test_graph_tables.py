@@ -10,6 +10,7 @@ import pytest
 from vllm_rlt.attention.metadata import HostMetadata
 from vllm_rlt.worker.graph_tables import (
     DECODE_BUCKETS,
+    MIXED_BUCKETS,
     GraphSpec,
     capped,
     field_offsets,
@@ -35,7 +36,14 @@ def test_graph_specs():
     decode = [s.num_rows for s in specs if s.num_chunk_slots == 0]
     mixed = [s.num_rows for s in specs if s.num_chunk_slots > 0]
     assert decode == [1, 2, 4, 8]
-    assert mixed == [8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 768, 1024]
+    assert mixed == [8, 16, 32, 64, 128, *range(192, 1025, 64)]
+
+    def padding(rows: int) -> float:  # share of a bucket's rows that are padding
+        bucket = min(b for b in MIXED_BUCKETS if b >= rows)
+        return (bucket - rows) / bucket
+
+    assert max(padding(r) for r in range(129, 2049)) < 1 / 3
+    assert max(padding(r) for r in range(513, 2049)) < 1 / 8
     assert all(s.num_chunk_slots == s.num_rows // 2 for s in specs if s.num_chunk_slots)
     assert graph_specs(300, 100)[-1] == GraphSpec(100, 50)  # decode rows fit the budget too
     assert max(s.num_rows for s in graph_specs(8, 5000)) == 2048
