@@ -32,6 +32,7 @@ from triton.testing import do_bench
 from vllm_rlt.attention.metadata import build_attention_metadata
 from vllm_rlt.attention.triton_backend import TritonAttentionBackend
 from vllm_rlt.kernels import paged_attention as pa
+from vllm_rlt.kernels.device_info import sm_count
 
 HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 128, 16, torch.bfloat16
 POOL_BLOCKS = 64 * 8192 // BLOCK_SIZE + 64  # enough for 64 rows at 8K
@@ -157,7 +158,7 @@ def _kv_bytes(segments: list[tuple[int, int]]) -> int:
 
 
 def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
-    results = []
+    results, num_sms = [], sm_count(torch.device("cuda"))
     for ctx in (1024, 2048, 4096, 8192):
         for rows in (1, 8, 32, 64):
             segs = [(ctx - 1, 1)] * rows
@@ -168,7 +169,7 @@ def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
                 {
                     "context": ctx,
                     "rows": rows,
-                    "num_splits": pa.choose_num_splits(rows * HEADS, ctx, _sm_count()),
+                    "num_splits": pa.choose_num_splits(rows * HEADS, ctx, num_sms),
                     "kv_bytes": _kv_bytes(segs),
                     "attention": attn,
                     "forward": fwd,
@@ -179,10 +180,6 @@ def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
                 }
             )
     return results
-
-
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 CHUNK_STARTS = [0, 1024, 2048, 3072, 4096, 5120, 6144, 7168]  # mixed depths, one plane each

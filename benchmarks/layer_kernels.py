@@ -1,17 +1,19 @@
-"""GPU time and kernel count of one recurrent-core invocation: torch layer path vs fused path.
+"""GPU time and kernel count of one recurrent-core invocation under each layer-kernel strategy.
 
 The Ouro-1.4B shape (24 layers, hidden 2048, 16 x 128 heads, MLP 5632) with dummy bf16 weights and
 the Triton attention backend runs one loop over R decode rows (R in --rows), each row its own
 sequence at position --context - 1 with that much KV (block size 16, fragmented block tables).
 For each layer path (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs; `fused`: fused
-[q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`) it reports:
+[q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`; `skinny`: `fused`
+with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`) it reports:
 
 - eager_ms: CUDA events around back-to-back calls after warm-up (host launch cost included);
 - graph_ms: the same invocation captured in a CUDA graph and replayed (GPU time alone);
 - kernels and kernel_ms from torch.profiler over one eager call (kernels, copies and memsets), the
   most frequent kernel names, GPU time and count per kernel name, and kernels per layer from the
   difference between the full model and the model cut to half its layers;
-- for `fused`, the relative distance of its outputs to the torch path's (same inputs).
+- for `fused` and `skinny`, the relative distance of their outputs to the torch path's (same
+  inputs).
 
 The weight floor is the bytes of the shared layers over the device-to-device copy bandwidth
 measured in the same run.
@@ -40,7 +42,7 @@ from vllm_rlt.attention.metadata import build_attention_metadata
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16
-PATHS = ("torch", "fused")
+PATHS = ("torch", "fused", "skinny")
 
 
 class LayerKV:
@@ -172,14 +174,18 @@ def main(argv: list[str] | None = None) -> dict:
             model.layer_kernels = path
             case[path] = measure(model, hidden, meta, kv, args.iters)
             outputs[path] = model.recurrent_core(hidden, meta, kv)
-        (h_fused, g_fused), (h_torch, g_torch) = outputs["fused"], outputs["torch"]
-        case["fused"]["hidden_rel_err_vs_torch"] = rel_err(h_fused, h_torch)
-        case["fused"]["gate_rel_err_vs_torch"] = rel_err(g_fused, g_torch)
+        h_torch, g_torch = outputs["torch"]
+        for path in PATHS[1:]:
+            h, g = outputs[path]
+            case[path]["hidden_rel_err_vs_torch"] = rel_err(h, h_torch)
+            case[path]["gate_rel_err_vs_torch"] = rel_err(g, g_torch)
         case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
+        case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
         results.append(case)
         print(
             f"rows {rows:4d}: graph {case['torch']['graph_ms']:.3f} -> "
-            f"{case['fused']['graph_ms']:.3f} ms, eager {case['torch']['eager_ms']:.2f} -> "
+            f"{case['fused']['graph_ms']:.3f} ms (skinny {case['skinny']['graph_ms']:.3f}), "
+            f"eager {case['torch']['eager_ms']:.2f} -> "
             f"{case['fused']['eager_ms']:.2f} ms, kernels {case['torch']['kernels']} -> "
             f"{case['fused']['kernels']} ({case['torch']['kernels_per_layer']:.1f} -> "
             f"{case['fused']['kernels_per_layer']:.1f} per layer)",

@@ -1,6 +1,8 @@
 """The fused layer path: fused q/k/v and gate/up weights share memory with the HF-named
 parameters through construction, dtype conversion, random init and checkpoint loading; the
-fused model (fused GEMMs + Triton kernels) computes what the torch path computes.
+fused model (fused GEMMs + Triton kernels), and the skinny one (the same with its projections of
+up to 16 rows on the few-row GEMM kernel; the prompts run in chunks of 8), compute what the torch
+path computes.
 
 The model comparison runs on CPU (Triton interpreter, tiny shapes) and, marked `gpu`, on CUDA
 with a mid-size shape too. fp32: within 1e-5 (the paths differ only in GEMM shapes and the order
@@ -92,8 +94,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernels", ["fused", "skinny"])
 @pytest.mark.parametrize("device,shape,dtype", CASES)
-def test_fused_model_matches_the_torch_path(device, shape, dtype):
+def test_fused_model_matches_the_torch_path(device, shape, dtype, kernels):
     # the attention backend is common to both paths: Triton on CUDA, the faster torch one on CPU
     backend = "triton" if device == "cuda" else "torch"
     ids = random.Random(6).choices(range(96), k=29)
@@ -103,7 +106,7 @@ def test_fused_model_matches_the_torch_path(device, shape, dtype):
         model = model.float() if to_fp32 else model
         return PagedExecutor.create(model, 64, 4).prefill_all_depths("a", ids, 8)
 
-    (fused, fused_gates), (plain, plain_gates) = run(dtype, "fused"), run(dtype, "torch")
+    (fused, fused_gates), (plain, plain_gates) = run(dtype, kernels), run(dtype, "torch")
     if dtype == torch.float32:
         assert rel_err(fused, plain) < 1e-5
         assert rel_err(fused_gates, plain_gates) < 1e-5

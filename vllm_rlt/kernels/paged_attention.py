@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.device_info import sm_count
 
 # The interpreter computes bf16 tl.dot wrongly: upcast its operands to fp32 there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -328,21 +329,9 @@ def write_kv_cache(
     )  # fmt: skip
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def choose_num_splits(num_programs: int, max_context: int, sm_count: int) -> int:
+def choose_num_splits(num_programs: int, max_context: int, num_sms: int) -> int:
     """KV splits per tile so that the grid fills the GPU, each split covering >= MIN_SPLIT_LEN."""
-    target = sm_count * PROGRAMS_PER_SM
+    target = num_sms * PROGRAMS_PER_SM
     if num_programs >= target:
         return 1
     by_fill = triton.cdiv(target, num_programs)
@@ -410,7 +399,7 @@ def paged_attention(
         chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_tiles * num_kv_heads, meta.max_context, _sm_count(q.device)
+            num_tiles * num_kv_heads, meta.max_context, sm_count(q.device)
         )
     block_n = max(decode_config.block_n, chunk_config.block_n)
     split_len = triton.cdiv(triton.cdiv(meta.max_context, num_splits), block_n) * block_n

@@ -6,13 +6,17 @@ A model calls four operations per layer through one of these strategies:
 - `add_norm(h, y, norm_a, norm_b)`: the sandwich residual step `h + norm_a(y)` and the norm after
   it, returning both;
 - `qkv(attn, x, rope)`: q, k, v [R, heads, d] of a block input, q and k rotated;
-- `swiglu(mlp, x)`: the MLP.
+- `swiglu(mlp, x)`: the MLP;
+- `out_proj(attn, x)`: attention's output projection.
 
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
 on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
 `layers.FusesLinears`) and one Triton launch per norm pair, per RoPE and per SwiGLU activation
-(`vllm_rlt.kernels.fused_ops`): the CUDA default. Inference only (no autograd through Triton).
+(`vllm_rlt.kernels.fused_ops`): the CUDA default. `skinny` is `fused` with the projections of
+invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead of cuBLAS: an
+experiment, selected explicitly and compared by `benchmarks/layer_kernels.py`. Inference only
+(no autograd through Triton).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import nn
 
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
 
-LAYER_KERNELS = ("auto", "torch", "fused")  # "auto": fused on CUDA, torch elsewhere
+LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": fused on CUDA, torch elsewhere
 
 
 class LayerKernels(Protocol):
@@ -52,6 +56,10 @@ class LayerKernels(Protocol):
         """x: [R, H] -> down(silu(gate(x)) * up(x)) [R, H]."""
         ...
 
+    def out_proj(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x: [R, Hq * d] attention output -> o_proj(x) [R, H]."""
+        ...
+
 
 class TorchLayerKernels:
     name = "torch"
@@ -73,6 +81,9 @@ class TorchLayerKernels:
     def swiglu(self, mlp, x):
         return mlp(x)
 
+    def out_proj(self, attn, x):
+        return attn.o_proj(x)
+
 
 class FusedLayerKernels:
     name = "fused"
@@ -88,17 +99,39 @@ class FusedLayerKernels:
     def add_norm(self, h, y, norm_a, norm_b):
         return self.ops.add_rms_norm(h, y, norm_a.weight, norm_a.eps, norm_b.weight, norm_b.eps)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [R, K] @ weight [N, K].T: every projection of the layer."""
+        return nn.functional.linear(x, weight)
+
     def qkv(self, attn, x, rope):
-        qkv = nn.functional.linear(x, attn.qkv_weight)
+        qkv = self.linear(x, attn.qkv_weight)
         cos, signed_sin = rope
         return self.ops.rope_qk_(
             qkv, cos, signed_sin, attn.num_heads, attn.num_kv_heads, attn.head_dim
         )
 
     def swiglu(self, mlp, x):
-        return mlp.down_proj(self.ops.silu_mul(nn.functional.linear(x, mlp.gate_up_weight)))
+        gate_up = self.linear(x, mlp.gate_up_weight)
+        return self.linear(self.ops.silu_mul(gate_up), mlp.down_proj.weight)
+
+    def out_proj(self, attn, x):
+        return self.linear(x, attn.o_proj.weight)
 
 
+class SkinnyLayerKernels(FusedLayerKernels):
+    name = "skinny"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemm = importlib.import_module("vllm_rlt.kernels.skinny_gemm")
+
+    def linear(self, x, weight):
+        if x.shape[0] <= self.gemm.MAX_ROWS and x.dtype in self.gemm.DTYPES:
+            return self.gemm.skinny_linear(x, weight)
+        return nn.functional.linear(x, weight)
+
+
+_STRATEGIES = {"torch": TorchLayerKernels, "fused": FusedLayerKernels, "skinny": SkinnyLayerKernels}
 _INSTANCES: dict[str, LayerKernels] = {}
 
 
@@ -109,5 +142,5 @@ def get_layer_kernels(name: str, device: torch.device) -> LayerKernels:
     if name == "auto":
         name = "fused" if device.type == "cuda" else "torch"
     if name not in _INSTANCES:
-        _INSTANCES[name] = FusedLayerKernels() if name == "fused" else TorchLayerKernels()
+        _INSTANCES[name] = _STRATEGIES[name]()
     return _INSTANCES[name]

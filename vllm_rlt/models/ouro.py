@@ -133,7 +133,7 @@ class OuroAttention(FusesLinears):
         """x: [R, H] normed block input; rope: this invocation's `RotaryEmbedding.tables`."""
         q, k, v = kernels.qkv(self, x, rope)
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return kernels.out_proj(self, out.reshape(x.shape[0], -1))
 
 
 class OuroMLP(FusesLinears, SwiGLUMLP):

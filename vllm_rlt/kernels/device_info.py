@@ -1,0 +1,20 @@
+"""Facts about the device a kernel launches on, looked up once."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter's grid)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
