@@ -1,12 +1,12 @@
 """A GEMM for few rows: y = x @ w.T with x [M <= 16, K] and a weight w [N, K] (nn.Linear layout).
 
 Decode invocations multiply a handful of rows by the shared-layer weights, so the GEMMs only
-stream weights: their floor is the weight bytes over the memory bandwidth. cuBLAS picks tiles of
-64-128 weight rows for such shapes (`docs/benchmarks/layer-kernels.md`), which leaves the grid
-smaller than the GPU for most of Ouro-1.4B's projections. This kernel gives each program
-`BLOCK_N` weight rows (coalesced along K) and, when that still leaves too few programs, splits K:
-every split writes an fp32 partial and a second launch adds the partials in split order, so the
-result does not depend on timing. Rows are padded to 16 for `tl.dot` (the padding costs no memory
+stream weights: their floor is the weight bytes over the memory bandwidth. cuBLAS reaches 55-62%
+of it there (`docs/benchmarks/layer-kernels.md`); its kernel names read as tiles of 64-128 weight
+rows, a grid smaller than the GPU for most of Ouro-1.4B's projections. This kernel gives each
+program `BLOCK_N` weight rows (coalesced along K) and, when that still leaves too few programs,
+splits K: every split writes an fp32 partial and a second launch adds the partials in split
+order, so the result does not depend on timing. Rows are padded to 16 for `tl.dot` (the padding costs no memory
 traffic: x is tiny).
 
 Experimental: selected by the `skinny` layer-kernel strategy, not a default (its speed on the H200
