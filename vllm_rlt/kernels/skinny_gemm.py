@@ -6,8 +6,8 @@ of it there (`docs/benchmarks/layer-kernels.md`); its kernel names read as tiles
 rows, a grid smaller than the GPU for most of Ouro-1.4B's projections. This kernel gives each
 program `BLOCK_N` weight rows (coalesced along K) and, when that still leaves too few programs,
 splits K: every split writes an fp32 partial and a second launch adds the partials in split
-order, so the result does not depend on timing. Rows are padded to 16 for `tl.dot` (the padding costs no memory
-traffic: x is tiny).
+order, so the result does not depend on timing. Rows are padded to 16 for `tl.dot` (the padding
+costs no memory traffic: x is tiny).
 
 Experimental: selected by the `skinny` layer-kernel strategy, not a default (its speed on the H200
 is measured by `python -m benchmarks.layer_kernels`).
