@@ -12,6 +12,8 @@ A run may be split across calls with `--cells` (indices into the cell list): run
 and versions are listed. On a GPU,
 `--busy-rounds` more interleaved rounds per cell run under the CUDA activity recorder and give
 the GPU busy fraction; they are kept out of the other medians (recording perturbs timing).
+`--modes` picks the modes (default Atomic, Split, WCPB); `wcpb-cap` adds WCPB whose invocations
+with decode rows take at most `--wcpb-cap` prefill rows (`max_prefill_rows_with_decode`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ MODES = {
     "atomic": {"scheduling_mode": "refill"},
     "split": {"scheduling_mode": "mixed"},
     "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
+    # an experiment beside the matrix's three modes: WCPB whose invocations with decode rows take
+    # at most --wcpb-cap prefill rows (the ITL tail, docs/benchmarks/wcpb-matrix.md)
+    "wcpb-cap": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
 }
+DEFAULT_MODES = ("atomic", "split", "wcpb")
 PROFILES = {
     "serial": {"profile": "serial", "concurrency": 1},
     "concurrent": {"profile": "concurrent", "concurrency": 8},
@@ -90,6 +96,7 @@ def run_one(
         exit_threshold=1.0,
         kv_cache_memory_gb=args.kv_cache_gb,
         **MODES[mode],
+        **({"max_prefill_rows_with_decode": args.wcpb_cap} if mode == "wcpb-cap" else {}),
     )
     vocab = loaded.config.vocab_size
     p = {**PROFILES[profile], **smoke.get("profiles", {}).get(profile, {})}
@@ -137,6 +144,17 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
 
 
+def _ratios(w: dict[str, float], s: dict[str, float]) -> dict[str, float]:
+    """A wavefront mode's medians `w` over Split's `s`, and the invocation bound."""
+    return {
+        "req/s": w["req/s"] / s["req/s"],
+        "TTFT p50": w["TTFT p50 s"] / s["TTFT p50 s"],
+        "ITL p99": w["ITL p99 s"] / s["ITL p99 s"],
+        "prefill rows/prefill inv": w["prefill rows/prefill inv"] / s["prefill rows/prefill inv"],
+        "invocation bound": s["inv/req"] / w["inv/req"],
+    }
+
+
 def summarize_matrix(runs: list[dict]) -> list[dict]:
     """Per cell and mode: median and spread of every metric; WCPB/Split ratios and the bound."""
     rows = []
@@ -157,19 +175,10 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
                 stats[BUSY] = _spread(busy)
             cell["modes"][mode] = stats | {"repeats": len(timed)}
         m = cell["modes"]
-        if "split" in m and "wcpb" in m:
-            med = {
-                mode: {k: v["median"] for k, v in m[mode].items() if k != "repeats"} for mode in m
-            }
-            s, w = med["split"], med["wcpb"]
-            cell["wcpb_over_split"] = {
-                "req/s": w["req/s"] / s["req/s"],
-                "TTFT p50": w["TTFT p50 s"] / s["TTFT p50 s"],
-                "ITL p99": w["ITL p99 s"] / s["ITL p99 s"],
-                "prefill rows/prefill inv": w["prefill rows/prefill inv"]
-                / s["prefill rows/prefill inv"],
-                "invocation bound": s["inv/req"] / w["inv/req"],
-            }
+        med = {mode: {k: v["median"] for k, v in m[mode].items() if k != "repeats"} for mode in m}
+        for mode in ("wcpb", "wcpb-cap"):
+            if "split" in m and mode in m:
+                cell[f"{mode}_over_split"] = _ratios(med[mode], med["split"])
         rows.append(cell)
     return rows
 
@@ -199,9 +208,10 @@ def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
                 for name in names
             ]
             lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
-        if "wcpb_over_split" in cell:
-            ratios = ", ".join(f"{k} {v:.3f}" for k, v in cell["wcpb_over_split"].items())
-            lines += ["", f"WCPB / Split: {ratios}"]
+        for mode, title in (("wcpb", "WCPB"), ("wcpb-cap", "WCPB with the cap")):
+            if f"{mode}_over_split" in cell:
+                ratios = ", ".join(f"{k} {v:.3f}" for k, v in cell[f"{mode}_over_split"].items())
+                lines += ["", f"{title} / Split: {ratios}"]
         lines.append("")
     return "\n".join(lines)
 
@@ -218,12 +228,14 @@ def plot(cells_summary: list[dict], out_dir: Path) -> None:
     for name, fname in (("req/s", "throughput.png"), ("TTFT p50 s", "ttft.png"),
                         ("ITL p99 s", "itl_p99.png")):  # fmt: skip
         fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 3.5))
-        width = 0.27
-        for k, mode in enumerate(MODES):
+        shown = [m for m in MODES if any(m in c["modes"] for c in cells_summary)]
+        width = 0.8 / len(shown)
+        for k, mode in enumerate(shown):
             vals = [
                 c["modes"].get(mode, {}).get(name, {}).get("median", 0.0) for c in cells_summary
             ]
-            ax.bar(np.arange(len(labels)) + (k - 1) * width, vals, width, label=mode)
+            offset = (k - (len(shown) - 1) / 2) * width
+            ax.bar(np.arange(len(labels)) + offset, vals, width, label=mode)
         ax.set_xticks(np.arange(len(labels)))
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_ylabel(name)
@@ -271,6 +283,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(DEFAULT_MODES))
+    p.add_argument("--wcpb-cap", type=int, default=256, help="prefill rows beside decode rows")
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     smoke = {}
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         repeats = args.arrival_repeats if profile == "arrival" else args.repeats
         busy_rounds = args.busy_rounds if torch.cuda.is_available() else 0
         for r in range(repeats + busy_rounds):
-            for mode in MODES:  # interleaved: A B C A B C ...
+            for mode in args.modes:  # interleaved: A B C A B C ...
                 profiled = r >= repeats
                 runs.append(run_one(loaded, args, chunk, mode, profile, inputs, r, smoke, profiled))
                 s = runs[-1]["summary"]

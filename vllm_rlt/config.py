@@ -96,6 +96,11 @@ class SchedulerConfig:
         "many loops before the scheduler decides again (default: no limit)",
         default=None,
     )
+    max_prefill_rows_with_decode: int | None = _help(
+        "latency rule: an invocation that carries decode rows takes at most this many prefill "
+        "rows (default: whatever budget the decode rows leave)",
+        default=None,
+    )
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -113,6 +118,8 @@ class SchedulerConfig:
         _check(policy in QUEUE_POLICIES, "queue_policy", policy, f"one of {QUEUE_POLICIES}")
         stall = self.max_prefill_stall_loops
         _check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
+        cap = self.max_prefill_rows_with_decode
+        _check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
 
     @property
     def chunk_size(self) -> int:

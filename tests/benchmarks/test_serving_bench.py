@@ -152,3 +152,15 @@ def test_wcpb_matrix_keeps_profiled_rounds_out_of_the_timed_medians():
     assert (wcpb["GPU busy"]["median"], split["GPU busy"]["median"]) == (0.75, 0.5)
     assert cell["wcpb_over_split"]["req/s"] == pytest.approx(1.5)
     assert cell["wcpb_over_split"]["invocation bound"] == pytest.approx(2.0)
+
+
+def test_wcpb_matrix_runs_the_capped_wcpb_experiment(tmp_path):
+    from benchmarks.wcpb_matrix import main as matrix
+
+    argv = ["--smoke", "--out-dir", str(tmp_path), "--chunks", "32", "--cells", "2"]
+    summary = matrix(argv + ["--repeats", "1", "--modes", "split", "wcpb-cap", "--wcpb-cap", "2"])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["mode"] for r in runs] == ["split", "wcpb-cap"]
+    assert "wcpb_over_split" not in summary[0]
+    assert summary[0]["wcpb-cap_over_split"]["invocation bound"] > 1
+    assert "WCPB with the cap / Split" in (tmp_path / "README.md").read_text()

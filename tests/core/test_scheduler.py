@@ -148,3 +148,20 @@ def test_shared_layout_prefills_in_position_waves():
         ("a", 0, 1),
         ("b", 0, 1),
     ]
+
+
+def test_decode_rows_cap_the_prefill_rows_beside_them():
+    s = scheduler(
+        max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=4,
+        wavefront_chunked_prefill=True, max_prefill_rows_with_decode=3,
+    )  # fmt: skip
+    s.add_request(request("a", 2, max_tokens=6))
+    s.add_request(request("b", 40, max_tokens=2))
+    beside, alone = [], []
+    while s.has_unfinished():
+        batch = step(s)
+        decode = [t for t in batch.requests if t.kind is RowKind.DECODE]
+        prefill = sum(t.num_tokens for t in batch.requests if t.kind is RowKind.PREFILL)
+        (beside if decode else alone).append(prefill)
+    assert max(beside) == 3  # capped beside decode rows (and the cap is reached)
+    assert max(alone) > 3  # prefill-only batches use the whole budget

@@ -289,3 +289,41 @@ def test_bf16_wcpb_differs_from_split_no_more_than_batch_composition(tmp_path):
     batch = rel_err(states(False, True), split_alone)
     print(f"bf16 per-depth states: WCPB vs split {modes:.3e}; split vs split-beside {batch:.3e}")
     assert modes <= batch
+
+
+def checking_cap(eng: LLMEngine, cap: int, reached: list[int]) -> None:
+    """Wrap the engine's scheduler: every batch with decode rows holds <= cap prefill rows;
+    `reached` collects the prefill rows of the batches where decode rows met the cap."""
+    schedule = eng.scheduler.schedule
+
+    def checked_schedule():
+        batch = schedule()
+        decode = sum(t.kind is RowKind.DECODE for t in batch.requests)
+        prefill = sum(t.num_tokens for t in batch.requests if t.kind is RowKind.PREFILL)
+        assert not decode or prefill <= cap, (decode, prefill, cap)
+        if decode and prefill == cap:
+            reached.append(prefill)
+        return batch
+
+    eng.scheduler.schedule = checked_schedule
+
+
+def test_prefill_cap_beside_decode_rows_changes_no_result(model_dir):
+    """`max_prefill_rows_with_decode` only moves prefill rows to later invocations: WCPB results
+    still equal serial generation, and no invocation with decode rows exceeds the cap."""
+    reached: list[int] = []
+    for seed in range(24):
+        jobs, settings = workload(seed)
+        cap = random.Random(seed).randint(1, 4)
+        serial_engine = engine(model_dir, max_num_seqs=1)
+        want = {}
+        for job in jobs:
+            want.update(run_batched(serial_engine, [Job(job.req_id, job.prompt, job.params)]))
+        eng = engine(
+            model_dir, wavefront_chunked_prefill=True, max_prefill_rows_with_decode=cap, **settings
+        )
+        checking_cap(eng, cap, reached)
+        got = run_batched(eng, jobs, check=invariants)
+        assert compare(eng, jobs, got, want, "last_exited") == 0
+        assert kv_all_free(eng)
+    assert reached  # the cap was reached, not merely never approached

@@ -2,7 +2,9 @@
 
 Invariant of `schedule()`: every row of the plan's first invocation counts against
 `max_num_batched_tokens`; every running request holds the KV for all the positions it may write
-(reserved at admission), so no step can run out of KV; decode rows come before prefill tasks.
+(reserved at admission), so no step can run out of KV; decode rows come before prefill tasks, and
+a batch with decode rows takes at most `max_prefill_rows_with_decode` prefill rows (a latency
+rule: decode rows wait for every row of their invocation).
 
 `loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries);
@@ -90,7 +92,11 @@ class Scheduler:
         prefill_tasks: list[ScheduledRequest] = []
         if self.config.scheduling_mode == "mixed":
             decode_tasks, samples = self._decode_work(budget)
-            prefill_tasks = self._plan_prefill(budget - len(decode_tasks))
+            prefill_budget = budget - len(decode_tasks)
+            cap = self.config.max_prefill_rows_with_decode
+            if decode_tasks and cap is not None:
+                prefill_budget = min(prefill_budget, cap)
+            prefill_tasks = self._plan_prefill(prefill_budget)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             prefill_tasks = self._plan_prefill(budget)
             if not prefill_tasks:
