@@ -187,7 +187,7 @@ def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
     lines = ["# WCPB matrix", "", "Commands (one per call; later calls replace earlier cells):", ""]
     for meta in calls:
         lines.append(
-            f"- `{meta['command']}` (commit {meta.get('commit', 'unknown')[:10]}): "
+            f"- `{meta['command']}` (commit {meta['commit'][:10]}): "
             f"GPU {meta['gpu']}; torch {meta['torch']}; triton {meta['triton']}; "
             f"Python {meta['python']}; model {meta['shape']} ({meta['dtype']}, "
             "dummy weights, fixed depth)."

@@ -1,10 +1,15 @@
-"""Facts about the device a kernel launches on, looked up once."""
+"""Facts about where the kernels run, looked up once."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+
+# Triton runs kernels on CPU tensors in its interpreter when TRITON_INTERPRET is set (before the
+# kernel modules are imported); some kernels work around the interpreter's numerics then.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def sm_count(device: torch.device) -> int:

@@ -18,15 +18,15 @@ The layer-kernel choice (`vllm_rlt.models.layer_kernels`) uses these on CUDA.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.device_info import INTERPRET
+
 _NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
 # The interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even): round by hand there.
-_RNE_BY_HAND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_RNE_BY_HAND = tl.constexpr(INTERPRET)
 
 
 def _acc(dtype: torch.dtype) -> tl.dtype:

@@ -15,7 +15,6 @@ Also here: a one-launch KV write (k and v rows to their slots).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,10 +22,8 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.kernels.device_info import sm_count
+from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 
-# The interpreter computes bf16 tl.dot wrongly: upcast its operands to fp32 there.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _LOG2E = 1.4426950408889634
 
 
@@ -431,7 +428,7 @@ def paged_attention(
         HEAD_PAD=head_pad,
         BLOCK_SIZE=meta.block_size,
         SPLIT=num_splits > 1,
-        UPCAST=_INTERPRET,
+        UPCAST=INTERPRET,  # the interpreter computes bf16 tl.dot wrongly: upcast to fp32 there
         PRECISION="ieee" if fp32 else "tf32",
         ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
         F64=acc_dtype == torch.float64,

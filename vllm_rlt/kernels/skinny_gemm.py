@@ -15,13 +15,11 @@ is measured by `python -m benchmarks.layer_kernels`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.device_info import sm_count
+from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.fused_ops import _round
 
 MAX_ROWS = 16  # rows of x one launch handles (the dot's minimum M)
@@ -30,8 +28,6 @@ BLOCK_N = 32  # weight rows per program
 BLOCK_K = 128  # K step
 MIN_K_PER_SPLIT = 4 * BLOCK_K  # shortest K range a split covers
 PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
-# The interpreter computes bf16 tl.dot wrongly: upcast its operands to fp32 there.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -76,7 +72,7 @@ def _skinny_gemm_kernel(
             mask=n_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        if UPCAST:
+        if UPCAST:  # the interpreter computes bf16 tl.dot wrongly
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
@@ -128,7 +124,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else out
     _skinny_gemm_kernel[(n_blocks, splits)](
         x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits > 1, UPCAST=_INTERPRET,
+        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits > 1, UPCAST=INTERPRET,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4,
     )  # fmt: skip
     if splits > 1:

@@ -117,8 +117,8 @@ class CudaGraphRunner:
         return StaticInvocation(spec, meta, rows, hidden)
 
     def run(self, inv: StaticInvocation) -> tuple[torch.Tensor, torch.Tensor]:
-        """One recurrent-core call over the bucket: (hidden [R, H], gate logits [R] fp32). The
-        hidden rows are a view of the graph's output, valid until the graph replays again."""
+        """One recurrent-core call over the bucket: (hidden [R, H], gate logits [R] fp32), views
+        of the graph's outputs, valid until the graph replays again."""
         r = inv.hidden.shape[0]
         graph = self.graphs.get(inv.spec)
         if graph is None:
@@ -126,7 +126,7 @@ class CudaGraphRunner:
         else:
             graph.replay()
             out, gate = self._outputs[inv.spec]
-        return out[:r], gate[:r].clone()
+        return out[:r], gate[:r]
 
     # ---- static buffers ---------------------------------------------------------------------
     def _field(self, spec: GraphSpec, name: str) -> torch.Tensor:

@@ -101,6 +101,7 @@ def field_offsets(spec: GraphSpec) -> dict[str, tuple[int, type, int]]:
     return out
 
 
+@functools.cache
 def tables_offset(spec: GraphSpec) -> int:
     """Byte offset of the block tables in the spec's upload: the size of the fixed fields."""
     offset, dtype, length = list(field_offsets(spec).values())[-1]

@@ -70,17 +70,19 @@ class ModelRunner:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled_ids, sampled = self._sample(batch.sample_req_ids)
-        gates0 = None  # gate logits of invocation 0, the only one with decode rows
+        # decode rows run in invocation 0 only; the gates their exit decisions read are gathered
+        # right after it (a later invocation may replay the same graph over its outputs)
+        starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
+        gate_rows = [starts[j] for j, t in enumerate(batch.requests) if t.reads_gate]
+        read_gates = None
         for i in range(batch.loop_count):
             gates = self._invoke(batch, i, sampled_ids)
             if gates is None:
                 break
-            if i == 0:
-                gates0 = gates
-        starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
+            if i == 0 and gate_rows:
+                read_gates = gates[gate_rows]
         # the step's only waits for the GPU: gates an exit decision needs, and sampled tokens
-        gate_rows = [starts[j] for j, t in enumerate(batch.requests) if t.reads_gate]
-        decode_gates = gates0[gate_rows].tolist() if gate_rows else []
+        decode_gates = read_gates.tolist() if read_gates is not None else []
         return RunnerOutput(sampled=sampled(), decode_gate_logits=tuple(decode_gates))
 
     def _sync_mirrors(self, batch: ExecutionBatch) -> None:
