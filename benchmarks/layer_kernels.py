@@ -28,7 +28,6 @@ import json
 import os
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -38,6 +37,7 @@ import torch
 import triton
 
 from benchmarks.model_shapes import write_shape
+from benchmarks.serving.metrics import device_time_by_name
 from vllm_rlt.attention.metadata import build_attention_metadata
 from vllm_rlt.models.loader import load_model
 
@@ -78,8 +78,8 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def profile_kernels(fn) -> tuple[int, float, Counter, Counter]:
-    """(device events, their summed GPU ms, count per name, GPU us per name) of one call of fn."""
+def profile_kernels(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
+    """(device events, their summed GPU ms, (name, GPU us, count) per name) of one call of fn."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -88,14 +88,8 @@ def profile_kernels(fn) -> tuple[int, float, Counter, Counter]:
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    device = [
-        e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    ]
-    names, micros = Counter(), Counter()
-    for e in device:
-        names[e["name"][:90]] += 1
-        micros[e["name"][:90]] += e["dur"]
-    return len(device), sum(e["dur"] for e in device) / 1e3, names, micros
+    by_name = device_time_by_name(events)
+    return sum(n for *_, n in by_name), sum(us for _, us, _ in by_name) / 1e3, by_name
 
 
 def measure(model, hidden, meta, kv, iters: int) -> dict:
@@ -111,7 +105,7 @@ def measure(model, hidden, meta, kv, iters: int) -> dict:
         core()
     graph_ms = time_ms(graph.replay, iters)
     del graph
-    count, kernel_ms, names, micros = profile_kernels(core)
+    count, kernel_ms, by_name = profile_kernels(core)
     layers = model.model.layers
     model.model.layers = layers[: len(layers) // 2]
     try:
@@ -124,10 +118,8 @@ def measure(model, hidden, meta, kv, iters: int) -> dict:
         "kernels": count,
         "kernel_ms": kernel_ms,
         "kernels_per_layer": (count - half_count) / (len(layers) - len(layers) // 2),
-        "top_kernels": names.most_common(12),
-        "kernel_us_by_name": [
-            (name, round(us, 1), names[name]) for name, us in micros.most_common()
-        ],
+        "top_kernels": sorted(((n, c) for n, _, c in by_name), key=lambda x: -x[1])[:12],
+        "kernel_us_by_name": by_name,
     }
 
 

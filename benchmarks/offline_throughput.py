@@ -3,7 +3,8 @@
 For each concurrency c: 2c requests of `--prompt-len` random token ids and `--output-len`
 forced outputs (ignore EOS, fixed depth) are submitted at once to an engine with
 max_num_seqs = c. Reports request/token throughput, TTFT/TPOT percentiles, and - from a profiled
-repeat - host time vs GPU kernel time per step and the GPU busy fraction.
+window of decode steps of c more requests, once their prompts are done - host time vs GPU time
+per step, the GPU busy fraction and GPU time per kernel name.
 
     python -m benchmarks.offline_throughput --concurrency 1 8 32 --out results.json
     python -m benchmarks.offline_throughput --concurrency 1 8 32 --enforce-eager --out eager.json
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
-from benchmarks.serving.metrics import gpu_busy_seconds
+from benchmarks.serving.metrics import device_time_by_name, gpu_busy_seconds
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.sampling_params import SamplingParams
@@ -81,12 +82,15 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
     prompts = make(2 * concurrency)
     wall, ttft, tpot = run_requests(engine, prompts, args.output_len)
     steps_before = engine.stats.steps
-    # profiled window: the first `--profile-steps` steps of a fresh set of `concurrency`
-    # requests (their prefill, then decode); host time per step vs GPU kernel time
+    # profiled window: `--profile-steps` decode steps of `concurrency` fresh requests, from
+    # their first token on (prefill done); host time per step vs GPU time
     step_times: list[float] = []
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(make(concurrency)):
         engine.add_request(f"prof-{i}", prompt, params)
+    started: set[str] = set()
+    while len(started) < concurrency:
+        started.update(o.request_id for o in engine.step())
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -100,7 +104,8 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             _sync()
             prof_wall = time.perf_counter() - start
         prof.export_chrome_trace(str(trace))
-        gpu = gpu_busy_seconds(json.loads(trace.read_text())["traceEvents"])
+        events = json.loads(trace.read_text())["traceEvents"]
+        gpu = gpu_busy_seconds(events)
     for i in range(concurrency):
         engine.abort_request(f"prof-{i}")
     n_out = len(prompts) * args.output_len
@@ -120,6 +125,10 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             "host_ms_per_step": 1e3 * float(np.mean(step_times)),
             "gpu_ms_per_step": 1e3 * gpu / len(step_times),
             "gpu_busy_fraction": gpu / prof_wall,
+            "gpu_us_per_step_by_name": [
+                (name, round(us / len(step_times), 1), count / len(step_times))
+                for name, us, count in device_time_by_name(events)[:15]
+            ],
         },
         "engine_stats": {**engine.stats.as_dict(), "steps_timed_run": steps_before},
     }

@@ -92,8 +92,9 @@ class SchedulerConfig:
         default=False,
     )
     max_prefill_stall_loops: int | None = _help(
-        "latency rule: with admissible requests waiting, a prefill-only batch runs at most this "
-        "many loops before the scheduler decides again (default: no limit)",
+        "latency rule: a batch (prefill-only, or decode rows with no exit decision due) runs at "
+        "most this many loops before the scheduler decides again, so arrivals wait at most that "
+        "long (default: no limit)",
         default=None,
     )
     max_prefill_rows_with_decode: int | None = _help(

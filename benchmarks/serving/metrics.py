@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,14 +74,29 @@ def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
     }
 
 
+def device_events(trace_events: list[dict]) -> list[dict]:
+    """The GPU activities (kernels, copies, memsets) of a Chrome trace's `traceEvents`."""
+    return [
+        e
+        for e in trace_events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    ]
+
+
+def device_time_by_name(trace_events: list[dict]) -> list[tuple[str, float, int]]:
+    """(name cut to 90 characters, summed GPU microseconds, count) per GPU activity name, the
+    most time first."""
+    counts, micros = Counter(), Counter()
+    for e in device_events(trace_events):
+        counts[e["name"][:90]] += 1
+        micros[e["name"][:90]] += e["dur"]
+    return [(name, round(us, 1), counts[name]) for name, us in micros.most_common()]
+
+
 def gpu_busy_seconds(trace_events: list[dict]) -> float:
     """Seconds during which the GPU ran something (kernels, copies, memsets) in a Chrome trace's
     `traceEvents`, overlapping activities merged."""
-    spans = sorted(
-        (e["ts"], e["ts"] + e["dur"])
-        for e in trace_events
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    )
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in device_events(trace_events))
     busy, end = 0.0, -math.inf
     for start, stop in spans:
         if stop > end:

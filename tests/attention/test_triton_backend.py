@@ -208,6 +208,18 @@ def test_zero_row_tile_writes_nothing() -> None:
     assert _rel_err(out[16:], expected[16:]) <= FP32_TOL
 
 
+@pytest.mark.parametrize("num_splits", [None, 8])
+def test_a_grid_sized_for_longer_contexts_splits_each_tile_by_its_own(monkeypatch, num_splits):
+    """CUDA graphs size the grid for the longest context a row may reach (`max_context`, here
+    64K): a tile splits its own context (into pieces of >= 256 positions when the count is
+    automatic), and the splits past it do nothing. The automatic count as on a 132-SM GPU."""
+    monkeypatch.setattr("vllm_rlt.kernels.paged_attention.sm_count", lambda device: 132)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    segments = [(0, 37), (600, 1), (300, 1), (1000, 24), (5, 1)]
+    q, k, v, k_cache, v_cache, meta = _make_case(segments, 4, 2, 16, 16, torch.float32, device, 21)
+    _check((q, k, v, k_cache, v_cache, replace(meta, max_context=65536)), FP32_TOL, num_splits)
+
+
 def test_kv_write() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _check_kv_write(_make_case(MIXED, 4, 2, 8, 4, torch.float32, device, seed=5))

@@ -91,6 +91,33 @@ def test_rule4_stall_limit_caps_prefill_only_batches():
     assert not s.requests["a"].in_prefill
 
 
+def test_rule1_decode_alone_runs_until_an_exit_decision_is_due():
+    fixed = scheduler(max_num_seqs=2, max_num_batched_tokens=8)
+    fixed.add_request(request("a", 3, max_tokens=3))
+    assert [step(fixed).loop_count for _ in range(4)] == [D, D, D, 1]  # prompt, 2 tokens, last
+    gated = scheduler(max_num_seqs=2, max_num_batched_tokens=8)
+    gated.add_request(request("a", 3, max_tokens=3, threshold=0.99))
+    assert [step(gated, gate=-5.0).loop_count for _ in range(3)] == [D, 1, 1]  # reads gates
+    capped = scheduler(max_num_seqs=2, max_num_batched_tokens=8, max_prefill_stall_loops=3)
+    capped.add_request(request("a", 3, max_tokens=2))
+    assert [step(capped).loop_count for _ in range(4)] == [3, 1, 3, 1]  # R4 caps both kinds
+    kv = KVCacheManager(4096, 4, "last_exited", D)
+    traced = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=8), kv, make_exit_policy("trace", None), D
+    )
+    for req_id, trace in (("a", (2, 3)), ("b", (4, 4))):
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        exits = ExitSettings(1, D, 1.0, trace=trace)
+        traced.add_request(Request(req_id, [5, 6], params, exits, seed=0))
+    a, b = traced.requests["a"], traced.requests["b"]
+    batches = [step(traced) for _ in range(6)]
+    # the first due decision ends each batch; a and b loop at different depths in batch 2
+    assert [x.loop_count for x in batches] == [D, 2, 2, 1, 3, 1]
+    assert [(t.request_id, t.depth) for t in batches[2].requests] == [("a", 0), ("b", 2)]
+    assert (a.output_exit_depths, b.output_exit_depths) == ([4, 2, 3], [4, 4, 4])
+    assert not traced.has_unfinished() and kv.num_free_blocks == kv.num_total_blocks
+
+
 def test_refill_never_mixes_prefill_and_decode():
     s = scheduler(
         scheduling_mode="refill", max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk_size=4

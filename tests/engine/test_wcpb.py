@@ -173,9 +173,9 @@ def test_wcpb_prompt_states_match_dense_reference(model_dir, length, chunk, budg
 
 
 def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
-    """A decoding request and three prompts arriving one step apart: every batch runs one loop,
-    decode rows first, prefill tasks deepest first, and tasks of several depths (and of
-    several chunks of one request) share invocations."""
+    """A decoding request and three prompts arriving one step apart: every batch runs one loop
+    while a prompt is in prefill, decode rows first, prefill tasks deepest first, and tasks of
+    several depths (and of several chunks of one request) share invocations."""
     eng = engine(
         model_dir,
         wavefront_chunked_prefill=True,
@@ -191,7 +191,8 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
         if step < 3:
             eng.add_request(f"p{step}", list(range(10, 30)), SamplingParams(max_tokens=1))
         batch = eng.scheduler.schedule()
-        assert batch.loop_count == 1
+        prefilling = any(r.in_prefill for r in eng.scheduler.running)
+        assert batch.loop_count == 1 or not prefilling  # R1: decode alone may run to its exit
         kinds = [t.kind for t in batch.requests]
         assert kinds == sorted(kinds, key=lambda k: k is RowKind.PREFILL)  # decode rows first
         prefill = [t for t in batch.requests if t.kind is RowKind.PREFILL]

@@ -9,7 +9,10 @@ multi-row tiles (prefill chunks; rows x heads form the M side of `tl.dot`). A ti
 does nothing: CUDA-graph buckets fill their fixed grids with such tiles (worker/graph_tables.py).
 
 When rows are few and contexts long, the KV range is split (flash-decoding): each split writes an
-unnormalised partial output with its running max and sum, and a combine kernel merges them.
+unnormalised partial output with its running max and sum, and a combine kernel merges them. The
+grid holds a fixed number of splits S, but a tile's split length comes from its own context
+(ceil(context / S), aligned, at least `min_split_len`), so CUDA graphs, whose grids are sized for
+the longest context a row may reach, split a short context as finely as an eager launch would.
 Also here: a one-launch KV write (k and v rows to their slots).
 """
 
@@ -156,6 +159,7 @@ def _paged_attention_kernel(
     seg_row_starts_ptr,
     seg_token_starts_ptr,
     block_tables_ptr,
+    split_len_ptr,
     stride_q_row,
     stride_q_head,
     stride_o_row,
@@ -165,7 +169,8 @@ def _paged_attention_kernel(
     stride_kv_head,
     stride_bt,
     num_rows,
-    split_len,
+    num_splits,
+    min_split_len,
     qk_scale,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -176,6 +181,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
     USE_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -205,8 +211,15 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + row.to(tl.int64)[:, None] * stride_q_row + head[:, None] * stride_q_head
     q = tl.load(q_ptrs + offs_d[None, :], mask=io_mask, other=0.0)
 
+    context = pos0 + nrows  # keys the tile's last row sees
+    split_len = tl.cdiv(tl.cdiv(context, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    split_len = tl.maximum(split_len, min_split_len)
     kv_start = split * split_len
-    kv_end = tl.minimum(pos0 + nrows, kv_start + split_len)
+    if kv_start >= context:  # past the tile's context: the combine never reads this split
+        return
+    if SPLIT and split == 0 and kv_head == 0:  # the combine's per-row split length
+        tl.store(split_len_ptr + row, split_len, mask=valid & (g == 0))
+    kv_end = tl.minimum(context, kv_start + split_len)
     # Keys below pos0 + 1 are visible to every row of the tile: no mask needed there.
     num_full = tl.maximum(tl.minimum(kv_end, pos0 + 1) - kv_start, 0) // BLOCK_N
     full_end = kv_start + num_full * BLOCK_N
@@ -248,19 +261,21 @@ def _combine_kernel(
     part_m_ptr,
     part_l_ptr,
     positions_ptr,
+    split_len_ptr,
     stride_o_row,
     stride_o_head,
     num_rows,
-    split_len,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     F64: tl.constexpr,
 ):
-    """Merge the splits of one (row, head): splits past the row's position were not written."""
+    """Merge the splits of one (row, head) (split lengths are its tile's): splits past the row's
+    position were not written."""
     row = tl.program_id(0)
     head = tl.program_id(1)
+    split_len = tl.load(split_len_ptr + row)
     num_active = tl.load(positions_ptr + row).to(tl.int32) // split_len + 1
     offs_s = tl.arange(0, SPLITS_P2)
     active = offs_s < num_active
@@ -327,7 +342,8 @@ def write_kv_cache(
 
 
 def choose_num_splits(num_programs: int, max_context: int, num_sms: int) -> int:
-    """KV splits per tile so that the grid fills the GPU, each split covering >= MIN_SPLIT_LEN."""
+    """KV splits per tile in the grid so that it fills the GPU, each split covering >=
+    MIN_SPLIT_LEN at `max_context`."""
     target = num_sms * PROGRAMS_PER_SM
     if num_programs >= target:
         return 1
@@ -373,8 +389,9 @@ def paged_attention(
     """Causal paged attention of q [R, Hq, d] over caches [num_blocks, block_size, Hkv, d].
 
     Returns [R, Hq, d] in q's dtype (written into `out` when given). `num_splits` fixes the KV
-    splits per tile (default: chosen from the grid size and max context); the configs override
-    the tuned launch shapes.
+    splits per tile (default: chosen from the grid size and max context, each at least
+    MIN_SPLIT_LEN long; a fixed count splits a tile's context evenly); the configs override the
+    tuned launch shapes.
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -394,13 +411,13 @@ def paged_attention(
         big = triton.next_power_of_2(meta.max_tile_rows) * triton.next_power_of_2(group) >= 64
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
         chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config
+    block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
+    min_split_len = block_n
     if num_splits is None:
         num_splits = choose_num_splits(
             num_tiles * num_kv_heads, meta.max_context, sm_count(q.device)
         )
-    block_n = max(decode_config.block_n, chunk_config.block_n)
-    split_len = triton.cdiv(triton.cdiv(meta.max_context, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(meta.max_context, split_len)
+        min_split_len = triton.cdiv(MIN_SPLIT_LEN, block_n) * block_n
 
     if out is None:
         out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
@@ -412,15 +429,16 @@ def paged_attention(
         )
         part_m = torch.empty(num_splits, num_rows, num_heads, device=q.device, dtype=acc_dtype)
         part_l = torch.empty_like(part_m)
+        split_len = torch.empty(num_rows, device=q.device, dtype=torch.int32)
     else:
-        part_acc = part_m = part_l = out  # unused
+        part_acc = part_m = part_l = split_len = out  # unused
     common = (
         out, part_acc, part_m, part_l, q, k_cache, v_cache,
         meta.tile_seg, meta.tile_row_start, meta.tile_num_rows, meta.seg_row_starts,
-        meta.seg_token_starts, meta.block_tables,
+        meta.seg_token_starts, meta.block_tables, split_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        num_rows, split_len, head_dim**-0.5 * _LOG2E,
+        num_rows, num_splits, min_split_len, head_dim**-0.5 * _LOG2E,
     )  # fmt: skip
     constexprs = dict(
         NUM_HEADS=num_heads,
@@ -428,6 +446,7 @@ def paged_attention(
         HEAD_PAD=head_pad,
         BLOCK_SIZE=meta.block_size,
         SPLIT=num_splits > 1,
+        SPLIT_ALIGN=block_n,
         UPCAST=INTERPRET,  # the interpreter computes bf16 tl.dot wrongly: upcast to fp32 there
         PRECISION="ieee" if fp32 else "tf32",
         ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
@@ -440,8 +459,8 @@ def paged_attention(
         _launch_class(meta.tile_order[num_one:], meta.max_tile_rows, chunk_config, *args)
     if num_splits > 1:
         _combine_kernel[(num_rows, num_heads)](
-            out, part_acc, part_m, part_l, meta.positions, out.stride(0), out.stride(1),
-            num_rows, split_len,
+            out, part_acc, part_m, part_l, meta.positions, split_len, out.stride(0),
+            out.stride(1), num_rows,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4, F64=constexprs["F64"],
         )  # fmt: skip

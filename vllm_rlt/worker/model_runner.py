@@ -70,8 +70,8 @@ class ModelRunner:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled_ids, sampled = self._sample(batch.sample_req_ids)
-        # decode rows run in invocation 0 only; the gates their exit decisions read are gathered
-        # right after it (a later invocation may replay the same graph over its outputs)
+        # rows that read their gate come in one-loop batches; the gates are gathered right after
+        # invocation 0 (a later invocation may replay the same graph over its outputs)
         starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
         gate_rows = [starts[j] for j, t in enumerate(batch.requests) if t.reads_gate]
         read_gates = None

@@ -2,8 +2,9 @@
 
 A step runs, in order: the skipped-depth KV copies, the coda + sampling of `sample_req_ids`,
 then `loop_count` recurrent-core invocations over `requests`. Each invocation advances every live
-row one depth; a prefill task's rows drop out after depth D-1, decode rows appear only in
-batches with `loop_count == 1`.
+row one depth; a prefill task's rows drop out after depth D-1. Decode rows run every invocation
+of their batch: the scheduler gives a batch with decode rows more than one loop only when none of
+them reaches an exit decision before the last.
 """
 
 from __future__ import annotations
@@ -85,12 +86,8 @@ class ExecutionBatch:
 
     def live(self, invocation: int, num_loops: int) -> tuple[ScheduledRequest, ...]:
         """Tasks with rows in invocation `invocation` (0-based) of a depth-`num_loops` model:
-        prefill tasks until their final depth, decode rows in the first invocation only."""
-        return tuple(
-            t
-            for t in self.requests
-            if t.depth + invocation < num_loops and (t.kind is RowKind.PREFILL or invocation == 0)
-        )
+        every task until its final depth (decode rows never get that far in one batch)."""
+        return tuple(t for t in self.requests if t.depth + invocation < num_loops)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,11 @@ class ExitPolicy(Protocol):
         """Whether `should_exit` after the token's next loop needs that loop's gate logit."""
         ...
 
+    def loops_to_decision(self, token: DecodeToken, settings: ExitSettings) -> int:
+        """Loops the token runs before `should_exit` can answer True (1 when it reads gates):
+        the scheduler may run that many loops without returning."""
+        ...
+
     def should_exit(
         self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
     ) -> bool:
@@ -49,6 +54,11 @@ class OuroExit:
 
     def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
         return settings.threshold < 1.0  # the CDF accumulates from the first loop on
+
+    def loops_to_decision(self, token: DecodeToken, settings: ExitSettings) -> int:
+        if self.reads_gate(token, settings):
+            return 1
+        return max((token.exit_at or settings.max_loops) - token.loops_done, 1)
 
     def should_exit(
         self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
@@ -93,6 +103,9 @@ class TraceExit:
 
     def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
         return False
+
+    def loops_to_decision(self, token: DecodeToken, settings: ExitSettings) -> int:
+        return max(token.exit_at - token.loops_done, 1)
 
     def should_exit(
         self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None

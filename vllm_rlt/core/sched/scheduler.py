@@ -7,12 +7,15 @@ a batch with decode rows takes at most `max_prefill_rows_with_decode` prefill ro
 rule: decode rows wait for every row of their invocation).
 
 `loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
-  R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries);
+  R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
+      unless it is decode-only, no request is in prefill and no row reads its gate: then it runs
+      until the first row's exit decision is due (fixed depth: through the remaining depths),
+      the same invocations with no scheduling decision between them;
   R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
   R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
       (its planes must be written first): one loop;
-  R4. latency rule `max_prefill_stall_loops`: a prefill-only batch runs at most that many loops,
-      so new arrivals are admitted within that many loops;
+  R4. latency rule `max_prefill_stall_loops`: a batch runs at most that many loops, so new
+      arrivals are admitted within that many loops;
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
 Merely having waiting requests does not split a batch.
 """
@@ -183,17 +186,26 @@ class Scheduler:
         return self.planner.plan([r for r in self.running if r.in_prefill], budget)
 
     def _loop_count(self, decode_tasks, prefill_tasks) -> int:
-        if decode_tasks or not prefill_tasks:  # R1
+        if decode_tasks:  # R1
+            loops = self._decode_loops(decode_tasks, prefill_tasks)
+        elif not prefill_tasks or self.planner.single_loop:  # R5: wavefront regroups tasks
             return 1
-        if self.planner.single_loop:  # R5: wavefront regroups tasks at every depth boundary
-            return 1
-        loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
+        else:
+            loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4
             loops = min(loops, self.config.max_prefill_stall_loops)
         for req_id, tasks in _by_request(prefill_tasks).items():  # R3
             if not self.planner.atomic_loops(self.requests[req_id], tasks, loops):
                 return 1
         return loops
+
+    def _decode_loops(self, decode_tasks, prefill_tasks) -> int:
+        if prefill_tasks or any(r.in_prefill for r in self.running):
+            return 1
+        return min(
+            self.exit_policy.loops_to_decision(req.decode, req.exit)
+            for req in (self.requests[t.request_id] for t in decode_tasks)
+        )
 
     # ---- update -----------------------------------------------------------------------------
     def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:
@@ -211,7 +223,7 @@ class Scheduler:
             gate = next(gates) if task.reads_gate else None
             req = self.requests.get(task.request_id)
             if req is not None and req.decode is not None:
-                self._after_loop(req, gate)
+                self._after_loops(req, gate, batch.loop_count)
         for req_id, tasks in _by_request(batch.requests, RowKind.PREFILL).items():
             req = self.requests.get(req_id)
             if req is not None and self.planner.advance(req, tasks, batch.loop_count):
@@ -233,9 +245,10 @@ class Scheduler:
         elif len(req.output_token_ids) >= params.max_tokens:
             self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
 
-    def _after_loop(self, req: Request, gate_logit: float | None) -> None:
+    def _after_loops(self, req: Request, gate_logit: float | None, loops: int) -> None:
+        """A decode token ran `loops` loops (more than one only when no decision fell due)."""
         tok = req.decode
-        tok.loops_done += 1
+        tok.loops_done += loops
         if not self.exit_policy.should_exit(tok, req.exit, gate_logit):
             return
         req.decode = None
