@@ -9,8 +9,9 @@ splits K: every split writes an fp32 partial and a second launch adds the partia
 order, so the result does not depend on timing. Rows are padded to 16 for `tl.dot` (the padding
 costs no memory traffic: x is tiny).
 
-Experimental: selected by the `skinny` layer-kernel strategy, not a default (its speed on the H200
-is measured by `python -m benchmarks.layer_kernels`).
+Experimental: selected by the `skinny` layer-kernel strategy, not a default. On the H200 it
+streams the weights ~10% faster than cuBLAS, but the partial-sum launches take that back
+(`docs/benchmarks/layer-kernels.md`, measured with `python -m benchmarks.layer_kernels`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""Replay one WCPB-matrix cell through the scheduler alone (no model, no GPU): per mode, the
+engine steps, recurrent-core invocations, rows and CUDA-graph bucket rows it would run.
+
+    python -m benchmarks.schedule_replay --chunk 128 --inputs fixed --num-requests 24 --out r.json
+
+Every request is admitted as soon as `max_num_seqs` allows (the concurrent profile), generates
+`--output-len` tokens at fixed depth, and a stub runner answers each step with token 1. The
+counts explain the matrix's per-invocation measurements: how many steps the host runs, how many
+invocations mix decode rows with prefill rows, and how many padding rows the graph buckets add.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.serving.workload import build_workload
+from benchmarks.wcpb_matrix import INPUTS, MODES
+from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
+from vllm_rlt.core.sched.exit_policy import make_exit_policy
+from vllm_rlt.core.sched.scheduler import Scheduler
+from vllm_rlt.request import ExitSettings, Request
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.graph_tables import graph_specs, select_spec
+
+DEPTH = 4  # Ouro-1.4B's loops
+
+
+def replay(mode: str, prompt_lens: list[int], args) -> dict:
+    config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.chunk,
+        **MODES[mode],
+        **({"max_prefill_rows_with_decode": args.wcpb_cap} if mode == "wcpb-cap" else {}),
+    )
+    kv = KVCacheManager(1 << 20, 16, "last_exited", DEPTH)
+    sched = Scheduler(config, kv, make_exit_policy("ouro", None), DEPTH)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    for i, n in enumerate(prompt_lens):
+        exits = ExitSettings(1, DEPTH, 1.0)
+        sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
+    specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens)
+    counts, buckets = Counter(), Counter()
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        counts["steps"] += 1
+        for i in range(batch.loop_count):
+            live = batch.live(i, DEPTH)
+            if not live:
+                break
+            rows = [t.num_tokens for t in live]
+            decode = sum(t.kind is RowKind.DECODE for t in live)
+            bucket = select_spec(specs, rows).num_rows
+            kind = "mixed" if decode and decode < sum(rows) else "decode" if decode else "prefill"
+            counts["invocations"] += 1
+            counts[f"{kind}_invocations"] += 1
+            counts["rows"] += sum(rows)
+            counts["bucket_rows"] += bucket
+            buckets[f"{kind} {bucket}"] += 1
+        tokens = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
+        sched.update(batch, RunnerOutput(sampled=tokens, decode_gate_logits=()))
+    assert kv.num_free_blocks == kv.num_total_blocks
+    return {**counts, "invocations_by_kind_and_bucket": dict(sorted(buckets.items()))}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--inputs", choices=list(INPUTS), default="fixed")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--wcpb-cap", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="the matrix's seed + repeat")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    # the matrix's workload (its prompt lengths; the token ids do not matter here)
+    wl = build_workload("concurrent", args.num_requests, INPUTS[args.inputs], 1, 2, seed=args.seed)
+    lens = [len(r.prompt_token_ids) for r in wl.requests]
+    result = {"args": vars(args), "modes": {m: replay(m, lens, args) for m in args.modes}}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    for mode, r in result["modes"].items():
+        print(
+            f"{mode:>9}: {r['steps']} steps, {r['invocations']} invocations "
+            f"({r.get('prefill_invocations', 0)} prefill, {r.get('mixed_invocations', 0)} mixed, "
+            f"{r.get('decode_invocations', 0)} decode), {r['rows']} rows in {r['bucket_rows']} "
+            "bucket rows"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()

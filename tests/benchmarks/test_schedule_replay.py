@@ -1,0 +1,29 @@
+"""The scheduler-only replay of a matrix cell (`benchmarks/schedule_replay.py`)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import schedule_replay
+from benchmarks.serving.workload import build_workload
+
+
+def test_replay_counts_every_mode_running_the_same_rows(tmp_path):
+    out = tmp_path / "r.json"
+    argv = ["--chunk", "32", "--inputs", "variable", "--num-requests", "6", "--output-len", "5"]
+    result = schedule_replay.main([*argv, "--max-num-batched-tokens", "256", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    lens = [
+        len(r.prompt_token_ids)
+        for r in build_workload("concurrent", 6, [256, 512, 768], 1, 2).requests
+    ]
+    # every prompt position at 4 depths, then 4 loops for each of the 4 tokens after the first
+    expected_rows = 4 * sum(lens) + 4 * 4 * 6
+    modes = result["modes"]
+    assert {m: r["rows"] for m, r in modes.items()} == dict.fromkeys(modes, expected_rows)
+    assert "mixed_invocations" not in modes["atomic"]  # refill never mixes
+    assert modes["wcpb"]["invocations"] < modes["split"]["invocations"]  # WCPB merges depths
+    for r in modes.values():
+        assert r["bucket_rows"] >= r["rows"]
+        assert sum(r["invocations_by_kind_and_bucket"].values()) == r["invocations"]
+        assert r["steps"] < r["invocations"]  # decode alone runs its 4 loops in one step (R1)
