@@ -5,16 +5,21 @@ stream weights: their floor is the weight bytes over the memory bandwidth. cuBLA
 of it there (`docs/benchmarks/layer-kernels.md`); its kernel names read as tiles of 64-128 weight
 rows, a grid smaller than the GPU for most of Ouro-1.4B's projections. This kernel gives each
 program `BLOCK_N` weight rows (coalesced along K) and, when that still leaves too few programs,
-splits K: every split writes an fp32 partial and a second launch adds the partials in split
-order, so the result does not depend on timing. Rows are padded to 16 for `tl.dot` (the padding
-costs no memory traffic: x is tiny).
+splits K: every split writes an fp32 partial and counts itself in an arrival counter of its
+output block; the split that arrives last adds the block's partials in split order (so the
+result does not depend on timing) and resets the counter. No second launch: the counters live
+in a zeroed buffer that every call leaves zeroed, also under CUDA-graph replay. Rows are padded
+to 16 for `tl.dot` (the padding costs no memory traffic: x is tiny).
 
-Experimental: selected by the `skinny` layer-kernel strategy, not a default. On the H200 it
-streams the weights ~10% faster than cuBLAS, but the partial-sum launches take that back
-(`docs/benchmarks/layer-kernels.md`, measured with `python -m benchmarks.layer_kernels`).
+Experimental: selected by the `skinny` layer-kernel strategy, not a default. On the H200 the
+version with a second launch for the partial sums streamed the weights ~10% faster than cuBLAS
+and lost that to the 72 extra launches per invocation (`docs/benchmarks/layer-kernels.md`,
+`python -m benchmarks.layer_kernels`); this version has not run on the GPU yet.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -29,6 +34,7 @@ BLOCK_N = 32  # weight rows per program
 BLOCK_K = 128  # K step
 MIN_K_PER_SPLIT = 4 * BLOCK_K  # shortest K range a split covers
 PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
+MAX_COUNTERS = 4096  # output blocks of one launch whose split arrivals a device buffer counts
 
 
 @triton.jit
@@ -37,6 +43,7 @@ def _skinny_gemm_kernel(
     w_ptr,
     out_ptr,
     part_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -77,24 +84,28 @@ def _skinny_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT:
-        part = (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
-        tl.store(part_ptr + part, acc, mask=m_ok[:, None] & n_ok[None, :])
+        part = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + part, acc, mask=mn_ok)
+        # every thread's part stored, then one gpu-scope release: count this split's arrival
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:  # the last split: every partial is visible
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(tl.num_programs(1)):
+                total += tl.load(part_ptr + s * M * N + part, mask=mn_ok, cache_modifier=".cg")
+            tl.store(o_ptrs, _round(total, out_ptr.dtype.element_ty), mask=mn_ok)
+            tl.store(counter_ptr + pid_n, 0)  # zeroed for the next call
     else:
-        y = _round(acc, out_ptr.dtype.element_ty)
-        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, y, mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(o_ptrs, _round(acc, out_ptr.dtype.element_ty), mask=mn_ok)
 
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, num_splits, size, BLOCK: tl.constexpr):
-    """out[i] = sum over splits s (in order) of part[s, i], over a contiguous [M, N] output."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < size
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(num_splits):
-        acc += tl.load(part_ptr + s * size + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, _round(acc, out_ptr.dtype.element_ty), mask=ok)
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of one device, zero between calls (each call resets those it used)."""
+    return torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
 
 
 def num_k_splits(num_n_blocks: int, k: int, num_sms: int) -> int:
@@ -119,16 +130,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError("x and weight must be contiguous along K")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     n_blocks = triton.cdiv(n, BLOCK_N)
-    splits = num_k_splits(n_blocks, k, sm_count(x.device))
+    splits = num_k_splits(n_blocks, k, sm_count(x.device)) if n_blocks <= MAX_COUNTERS else 1
     k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else out
+    counters = _counters(x.device) if splits > 1 else out
     _skinny_gemm_kernel[(n_blocks, splits)](
-        x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
+        x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        k_per_split,
         BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits > 1, UPCAST=INTERPRET,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4,
     )  # fmt: skip
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, splits, m * n, BLOCK=block)
     return out
