@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
+from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.metrics import device_time_by_name, gpu_busy_seconds
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
@@ -155,6 +156,8 @@ def main() -> None:
         results = [bench(args, c, model_dir) for c in args.concurrency]
     meta = {
         "args": vars(args),
+        "commit": commit(),
+        "engine_sha256": engine_digest(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,

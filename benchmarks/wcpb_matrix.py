@@ -25,7 +25,6 @@ import gc
 import itertools
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
+from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.drivers import gpu_activity, run_inprocess
 from benchmarks.serving.metrics import engine_counters, summarize
 from benchmarks.serving.workload import build_workload
@@ -245,18 +245,6 @@ def plot(cells_summary: list[dict], out_dir: Path) -> None:
         plt.close(fig)
 
 
-def _commit() -> str:
-    """HEAD, with "+changes" when the tree differs from it (a copied tree may carry an old HEAD)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
-    except OSError:
-        return "unknown"
-    if not head.stdout.strip():
-        return "unknown"
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
 def _save(out_dir: Path, calls: list[dict], runs: list[dict]) -> list[dict]:
     summary = summarize_matrix(runs)
     (out_dir / "results.json").write_text(json.dumps({"calls": calls, "runs": runs}, indent=1))
@@ -307,7 +295,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         todo = [todo[i] for i in args.cells]
     meta = {
         "command": "python -m benchmarks.wcpb_matrix " + " ".join(argv or sys.argv[1:]),
-        "commit": _commit(),
+        "commit": commit(),
+        "engine_sha256": engine_digest(),
         "args": vars(args),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
         "torch": torch.__version__,
