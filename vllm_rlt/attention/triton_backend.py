@@ -1,7 +1,8 @@
 """Triton attention backend: one-launch KV write, then paged attention over the tile table.
 
-The kernels live in `vllm_rlt.kernels.paged_attention`; this class only binds them to the
-`AttentionBackend` protocol. Set TRITON_INTERPRET=1 before importing it to run on a CPU.
+The kernels live in `vllm_rlt.kernels.kv_write` and `vllm_rlt.kernels.paged_attention`; this
+class only binds them to the `AttentionBackend` protocol. Set TRITON_INTERPRET=1 before importing
+it to run on a CPU.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.kernels.paged_attention import paged_attention, write_kv_cache
+from vllm_rlt.kernels.kv_write import write_kv_cache
+from vllm_rlt.kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend:

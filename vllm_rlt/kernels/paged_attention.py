@@ -13,7 +13,7 @@ unnormalised partial output with its running max and sum, and a combine kernel m
 grid holds a fixed number of splits S, but a tile's split length comes from its own context
 (ceil(context / S), aligned, at least `min_split_len`), so CUDA graphs, whose grids are sized for
 the longest context a row may reach, split a short context as finely as an eager launch would.
-Also here: a one-launch KV write (k and v rows to their slots).
+The KV write that precedes attention is in `kv_write.py`.
 """
 
 from __future__ import annotations
@@ -293,52 +293,6 @@ def _combine_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     o_ptrs = out_ptr + row.to(tl.int64) * stride_o_row + head * stride_o_head + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-@triton.jit
-def _write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_ptr,
-    stride_k_row,
-    stride_v_row,
-    ROW_ELEMS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < ROW_ELEMS
-    k = tl.load(k_ptr + row.to(tl.int64) * stride_k_row + offs, mask=mask)
-    v = tl.load(v_ptr + row.to(tl.int64) * stride_v_row + offs, mask=mask)
-    dst = slot * ROW_ELEMS + offs
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store k, v [R, Hkv, d] at flat slots [R] of caches [num_blocks, block_size, Hkv, d]."""
-    num_rows = k.shape[0]
-    row_elems = k_cache.shape[2] * k_cache.shape[3]
-    for t in (k, v):
-        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-            raise ValueError("k and v rows must be contiguous over (heads, head_dim)")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("KV caches must be contiguous")
-    if num_rows == 0:
-        return
-    _write_kv_kernel[(num_rows,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW_ELEMS=row_elems, BLOCK=triton.next_power_of_2(row_elems), num_warps=4,
-    )  # fmt: skip
 
 
 def choose_num_splits(num_programs: int, max_context: int, num_sms: int) -> int:
