@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.serving.workload import build_workload
-from benchmarks.wcpb_matrix import INPUTS, MODES
+from benchmarks.wcpb_matrix import INPUTS, MODES, mode_settings
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
@@ -35,8 +35,7 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.chunk,
-        **MODES[mode],
-        **({"max_prefill_rows_with_decode": args.wcpb_cap} if mode == "wcpb-cap" else {}),
+        **mode_settings(mode, args.wcpb_cap),
     )
     kv = KVCacheManager(1 << 20, 16, "last_exited", DEPTH)
     sched = Scheduler(config, kv, make_exit_policy("ouro", None), DEPTH)

@@ -51,6 +51,14 @@ MODES = {
     "wcpb-cap": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
 }
 DEFAULT_MODES = ("atomic", "split", "wcpb")
+
+
+def mode_settings(mode: str, wcpb_cap: int) -> dict:
+    """The scheduler settings of a matrix mode (`wcpb_cap`: the cap of mode wcpb-cap)."""
+    cap = {"max_prefill_rows_with_decode": wcpb_cap} if mode == "wcpb-cap" else {}
+    return {**MODES[mode], **cap}
+
+
 PROFILES = {
     "serial": {"profile": "serial", "concurrency": 1},
     "concurrent": {"profile": "concurrent", "concurrency": 8},
@@ -95,8 +103,7 @@ def run_one(
         prefill_chunk_size=chunk,
         exit_threshold=1.0,
         kv_cache_memory_gb=args.kv_cache_gb,
-        **MODES[mode],
-        **({"max_prefill_rows_with_decode": args.wcpb_cap} if mode == "wcpb-cap" else {}),
+        **mode_settings(mode, args.wcpb_cap),
     )
     vocab = loaded.config.vocab_size
     p = {**PROFILES[profile], **smoke.get("profiles", {}).get(profile, {})}

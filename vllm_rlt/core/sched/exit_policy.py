@@ -55,16 +55,20 @@ class OuroExit:
     def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
         return settings.threshold < 1.0  # the CDF accumulates from the first loop on
 
+    def last_loop(self, token: DecodeToken, settings: ExitSettings) -> int:
+        """The loop count at which the token exits unless a gate decides earlier."""
+        return settings.max_loops
+
     def loops_to_decision(self, token: DecodeToken, settings: ExitSettings) -> int:
         if self.reads_gate(token, settings):
             return 1
-        return max((token.exit_at or settings.max_loops) - token.loops_done, 1)
+        return max(self.last_loop(token, settings) - token.loops_done, 1)
 
     def should_exit(
         self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
     ) -> bool:
         fired = gate_logit is not None and _fires(token, settings, gate_logit)
-        return fired or token.loops_done >= settings.max_loops
+        return fired or token.loops_done >= self.last_loop(token, settings)
 
 
 class OuroDelayedExit(OuroExit):
@@ -73,14 +77,16 @@ class OuroDelayedExit(OuroExit):
     def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
         return token.exit_at is None and settings.threshold < 1.0
 
+    def last_loop(self, token: DecodeToken, settings: ExitSettings) -> int:
+        return settings.max_loops if token.exit_at is None else token.exit_at
+
     def should_exit(
         self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
     ) -> bool:
         pending = token.exit_at is None and gate_logit is not None
         if pending and _fires(token, settings, gate_logit):
             token.exit_at = min(token.loops_done + 1, settings.max_loops)
-        target = settings.max_loops if token.exit_at is None else token.exit_at
-        return token.loops_done >= target
+        return token.loops_done >= self.last_loop(token, settings)
 
 
 class TraceExit:
