@@ -169,7 +169,9 @@ def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
                 {
                     "context": ctx,
                     "rows": rows,
-                    "num_splits": pa.choose_num_splits(rows * HEADS, ctx, num_sms),
+                    "num_splits": pa.choose_num_splits(
+                        rows * HEADS, ctx, num_sms, pa.DECODE_SPLITS
+                    ),
                     "kv_bytes": _kv_bytes(segs),
                     "attention": attn,
                     "forward": fwd,
@@ -356,8 +358,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode": asdict(pa.DECODE_CONFIG),
         "chunk": asdict(pa.CHUNK_CONFIG),
         "chunk_large_m": asdict(pa.CHUNK_CONFIG_LARGE_M),
-        "programs_per_sm": pa.PROGRAMS_PER_SM,
-        "min_split_len": pa.MIN_SPLIT_LEN,
+        "splits": asdict(pa.SPLITS),
+        "decode_splits": asdict(pa.DECODE_SPLITS),
     }
     res["decode"] = run_decode(bench, copy_gbps)
     res["chunks"] = run_chunks(bench, mm)

@@ -209,13 +209,20 @@ def test_zero_row_tile_writes_nothing() -> None:
 
 
 @pytest.mark.parametrize("num_splits", [None, 8])
-def test_a_grid_sized_for_longer_contexts_splits_each_tile_by_its_own(monkeypatch, num_splits):
+@pytest.mark.parametrize(
+    "segments",
+    [[(0, 37), (600, 1), (300, 1), (1000, 24), (5, 1)], [(600, 1), (300, 1), (1000, 1), (5, 1)]],
+    ids=["mixed", "decode-only"],
+)
+def test_a_grid_sized_for_longer_contexts_splits_each_tile_by_its_own(
+    monkeypatch, num_splits, segments
+):
     """CUDA graphs size the grid for the longest context a row may reach (`max_context`, here
-    64K): a tile splits its own context (into pieces of >= 256 positions when the count is
-    automatic), and the splits past it do nothing. The automatic count as on a 132-SM GPU."""
+    64K): a tile splits its own context (into pieces of >= the split policy's length when the
+    count is automatic: decode-only launches split finer), and the splits past it do nothing.
+    The automatic count as on a 132-SM GPU."""
     monkeypatch.setattr("vllm_rlt.kernels.paged_attention.sm_count", lambda device: 132)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    segments = [(0, 37), (600, 1), (300, 1), (1000, 24), (5, 1)]
     q, k, v, k_cache, v_cache, meta = _make_case(segments, 4, 2, 16, 16, torch.float32, device, 21)
     _check((q, k, v, k_cache, v_cache, replace(meta, max_context=65536)), FP32_TOL, num_splits)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_rlt.kernels import skinny_gemm
+from vllm_rlt.kernels.skinny_gemm import SkinnyConfig
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -41,35 +42,36 @@ def test_skinny_linear_computes_x_times_w_transposed(device, dtype, m, n, k):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_split_k_partials_add_up(device, monkeypatch):
+def test_split_k_partials_add_up(device):
     # ask for many programs per SM so that K (1100: two uneven splits of 640 and 460) is split
-    monkeypatch.setattr(skinny_gemm, "PROGRAMS_PER_SM", 256)
+    cfg = SkinnyConfig(programs_per_sm=256)
     x, w = operands(5, 70, 1100, torch.float32, device, seed=1)
-    n_blocks = -(-70 // skinny_gemm.BLOCK_N)
-    assert skinny_gemm.num_k_splits(n_blocks, 1100, 1) == 2
-    assert_product(skinny_gemm.skinny_linear(x, w), x, w)
+    n_blocks = -(-70 // cfg.block_n)
+    assert skinny_gemm.num_k_splits(n_blocks, 1100, 1, cfg) == 2
+    assert_product(skinny_gemm.skinny_linear(x, w, cfg), x, w)
     xb, wb = x.bfloat16(), w.bfloat16()
-    assert_product(skinny_gemm.skinny_linear(xb, wb), xb, wb)
+    assert_product(skinny_gemm.skinny_linear(xb, wb, cfg), xb, wb)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_last_split_adds_the_partials_and_leaves_the_counters_zeroed(device, monkeypatch):
+def test_the_last_split_adds_the_partials_and_leaves_the_counters_zeroed(device):
     """Three splits per output block; repeated calls (as graph replays are) keep working because
     the split that adds a block's partials resets its arrival counter."""
-    monkeypatch.setattr(skinny_gemm, "PROGRAMS_PER_SM", 256)
+    cfg = SkinnyConfig(programs_per_sm=256)
     x, w = operands(4, 96, 1536, torch.float32, device, seed=2)
     for _ in range(3):
-        assert_product(skinny_gemm.skinny_linear(x, w), x, w)
+        assert_product(skinny_gemm.skinny_linear(x, w, cfg), x, w)
     assert not skinny_gemm._counters(x.device).any()
 
 
 def test_k_splits_fill_the_h200_for_ouro_projections():
     # 132 SMs, 2 programs each: o_proj and down_proj (2048 outputs) split K, gate/up does not
-    blocks = {n: -(-n // skinny_gemm.BLOCK_N) for n in (2048, 6144, 11264)}
-    assert skinny_gemm.num_k_splits(blocks[2048], 2048, 132) == 4  # K 2048: 512 per split
-    assert skinny_gemm.num_k_splits(blocks[2048], 5632, 132) == 5
-    assert skinny_gemm.num_k_splits(blocks[6144], 2048, 132) == 2
-    assert skinny_gemm.num_k_splits(blocks[11264], 2048, 132) == 1
+    cfg = SkinnyConfig(block_n=32, block_k=128, programs_per_sm=2, min_k_steps=4)
+    blocks = {n: -(-n // cfg.block_n) for n in (2048, 6144, 11264)}
+    assert skinny_gemm.num_k_splits(blocks[2048], 2048, 132, cfg) == 4  # K 2048: 512 per split
+    assert skinny_gemm.num_k_splits(blocks[2048], 5632, 132, cfg) == 5
+    assert skinny_gemm.num_k_splits(blocks[6144], 2048, 132, cfg) == 2
+    assert skinny_gemm.num_k_splits(blocks[11264], 2048, 132, cfg) == 1
 
 
 def test_bad_operands_are_refused():

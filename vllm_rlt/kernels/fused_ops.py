@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
+from vllm_rlt.kernels.pdl import pdl, release_dependents
 
 _NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
 # The interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even): round by hand there.
@@ -83,10 +84,12 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     RESIDUAL: tl.constexpr,
     ACC: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """One row per program. RESIDUAL: sum = res + norm(x; w), out = norm(sum; w2); else
     out = norm(x; w). The eps are compile-time constants so that they enter fp64 arithmetic
     unrounded (a float argument arrives as fp32)."""
+    release_dependents(GDC)  # the projection after the norm may start streaming its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -100,9 +103,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
-def _norm_launch(n: int) -> dict:
-    block = triton.next_power_of_2(n)
-    return {"BLOCK": block, "num_warps": 4 if block <= 1024 else 8, **_NO_FMA}
+def _norm_launch(x: torch.Tensor) -> dict:
+    block = triton.next_power_of_2(x.shape[1])
+    warps = 4 if block <= 1024 else 8
+    return {"BLOCK": block, "num_warps": warps, "GDC": pdl(x.device), **_NO_FMA}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,7 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(x.shape[0],)](
             x, x, weight, weight, out, out, x.stride(0), 0, 0, out.stride(0),
             x.shape[1], EPS=eps, EPS2=eps, RESIDUAL=False, ACC=_acc(x.dtype),
-            **_norm_launch(x.shape[1]),
+            **_norm_launch(x),
         )  # fmt: skip
     return out
 
@@ -142,7 +146,7 @@ def add_rms_norm(
         _rms_norm_kernel[(h.shape[0],)](
             y, h, weight, next_weight, out, normed, y.stride(0), h.stride(0), out.stride(0),
             normed.stride(0), h.shape[1], EPS=eps, EPS2=next_eps, RESIDUAL=True, ACC=_acc(h.dtype),
-            **_norm_launch(h.shape[1]),
+            **_norm_launch(h),
         )  # fmt: skip
     return out, normed
 
@@ -237,8 +241,10 @@ def _silu_mul_kernel(
     n,
     BLOCK: tl.constexpr,
     ACC: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Program (row, column block): out = silu(gate) * up, silu rounded before the multiply."""
+    release_dependents(GDC)  # the down projection may start streaming its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -259,6 +265,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), n,
-            BLOCK=block, ACC=_acc(gate_up.dtype), num_warps=4, **_NO_FMA,
+            BLOCK=block, ACC=_acc(gate_up.dtype), GDC=pdl(gate_up.device), num_warps=4,
+            **_NO_FMA,
         )  # fmt: skip
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
+from vllm_rlt.kernels.pdl import pdl, release_dependents
 
 _LOG2E = 1.4426950408889634
 
@@ -44,8 +45,20 @@ class LaunchConfig:
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=True)
 CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x heads < 64
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
-PROGRAMS_PER_SM = 8  # split the KV range until the grid holds about this many programs per SM
-MIN_SPLIT_LEN = 256  # shortest KV range one split covers
+
+
+# Automatic KV splits: split until the grid holds about `programs_per_sm` programs per SM, each
+# split at least `min_len` positions long. Launches with multi-row (prefill) tiles and decode-only
+# launches differ (docs/benchmarks/decode-sweep.md: at 512-1024 positions, 1-16 decode rows run
+# fastest in 128-position splits up to ~2 programs per SM, 16 rows unsplit).
+@dataclass(frozen=True)
+class SplitPolicy:
+    programs_per_sm: int
+    min_len: int
+
+
+SPLITS = SplitPolicy(programs_per_sm=8, min_len=256)
+DECODE_SPLITS = SplitPolicy(programs_per_sm=2, min_len=128)
 MAX_SPLITS = 64
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
@@ -187,7 +200,9 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     ACC: tl.constexpr,
     F64: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    release_dependents(GDC)  # the output projection may start streaming its weights
     tile = tl.load(tile_ids_ptr + tl.program_id(0))
     nrows = tl.load(tile_num_rows_ptr + tile)
     if nrows == 0:  # a padding tile (CUDA-graph buckets fill fixed grids with them)
@@ -270,9 +285,11 @@ def _combine_kernel(
     HEAD_PAD: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     F64: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """Merge the splits of one (row, head) (split lengths are its tile's): splits past the row's
     position were not written."""
+    release_dependents(GDC)  # the output projection may start streaming its weights
     row = tl.program_id(0)
     head = tl.program_id(1)
     split_len = tl.load(split_len_ptr + row)
@@ -295,14 +312,16 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def choose_num_splits(num_programs: int, max_context: int, num_sms: int) -> int:
-    """KV splits per tile in the grid so that it fills the GPU, each split covering >=
-    MIN_SPLIT_LEN at `max_context`."""
-    target = num_sms * PROGRAMS_PER_SM
+def choose_num_splits(
+    num_programs: int, max_context: int, num_sms: int, policy: SplitPolicy = SPLITS
+) -> int:
+    """KV splits per tile in the grid so that it holds about policy.programs_per_sm programs per
+    SM, each split covering >= policy.min_len at `max_context`."""
+    target = num_sms * policy.programs_per_sm
     if num_programs >= target:
         return 1
     by_fill = triton.cdiv(target, num_programs)
-    by_len = max(1, max_context // MIN_SPLIT_LEN)
+    by_len = max(1, max_context // policy.min_len)
     return max(1, min(by_fill, by_len, MAX_SPLITS))
 
 
@@ -343,8 +362,9 @@ def paged_attention(
     """Causal paged attention of q [R, Hq, d] over caches [num_blocks, block_size, Hkv, d].
 
     Returns [R, Hq, d] in q's dtype (written into `out` when given). `num_splits` fixes the KV
-    splits per tile (default: chosen from the grid size and max context, each at least
-    MIN_SPLIT_LEN long; a fixed count splits a tile's context evenly); the configs override the
+    splits per tile (default: chosen from the grid size and max context by the split policy of
+    decode-only or mixed launches; a fixed count splits a tile's context evenly); the configs
+    override the
     tuned launch shapes.
     """
     num_rows, num_heads, head_dim = q.shape
@@ -368,10 +388,11 @@ def paged_attention(
     block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
     min_split_len = block_n
     if num_splits is None:
+        policy = DECODE_SPLITS if num_one == num_tiles else SPLITS
         num_splits = choose_num_splits(
-            num_tiles * num_kv_heads, meta.max_context, sm_count(q.device)
+            num_tiles * num_kv_heads, meta.max_context, sm_count(q.device), policy
         )
-        min_split_len = triton.cdiv(MIN_SPLIT_LEN, block_n) * block_n
+        min_split_len = triton.cdiv(policy.min_len, block_n) * block_n
 
     if out is None:
         out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
@@ -405,6 +426,7 @@ def paged_attention(
         PRECISION="ieee" if fp32 else "tf32",
         ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
         F64=acc_dtype == torch.float64,
+        GDC=pdl(q.device),
     )
     args = (common, group, num_kv_heads, num_splits, constexprs)
     if num_one > 0:
@@ -417,5 +439,6 @@ def paged_attention(
             out.stride(1), num_rows,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4, F64=constexprs["F64"],
+            GDC=constexprs["GDC"],
         )  # fmt: skip
     return out

@@ -11,15 +11,16 @@ result does not depend on timing) and resets the counter. No second launch: the 
 in a zeroed buffer that every call leaves zeroed, also under CUDA-graph replay. Rows are padded
 to 16 for `tl.dot` (the padding costs no memory traffic: x is tiny).
 
-Experimental: selected by the `skinny` layer-kernel strategy, not a default. On the H200 the
-version with a second launch for the partial sums streamed the weights ~10% faster than cuBLAS
-and lost that to the 72 extra launches per invocation (`docs/benchmarks/layer-kernels.md`,
-`python -m benchmarks.layer_kernels`); this version has not run on the GPU yet.
+On Hopper GPUs the kernel is launched early (programmatic dependent launch, `pdl.py`): while the
+kernel that produces x finishes, each program pulls its first PREFETCH_K weight columns into the
+L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`); measurements in
+`docs/benchmarks/layer-kernels.md` and `decode-sweep.md`.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,14 +28,29 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.fused_ops import _round
+from vllm_rlt.kernels.pdl import pdl, prefetch_l2, wait_for_primary
 
 MAX_ROWS = 16  # rows of x one launch handles (the dot's minimum M)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_N = 32  # weight rows per program
-BLOCK_K = 128  # K step
-MIN_K_PER_SPLIT = 4 * BLOCK_K  # shortest K range a split covers
-PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
+PREFETCH_K = (
+    256  # K columns of its weight rows a program pulls into the L2 before its input is ready
+)
 MAX_COUNTERS = 4096  # output blocks of one launch whose split arrivals a device buffer counts
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Compile-time shape of one launch and how far K is split."""
+
+    block_n: int = 32  # weight rows per program
+    block_k: int = 128  # K step
+    num_warps: int = 4
+    num_stages: int = 4
+    programs_per_sm: int = 2  # split K until the grid holds about this many programs per SM
+    min_k_steps: int = 4  # shortest K range of a split, in K steps
+
+
+DEFAULT_CONFIG = SkinnyConfig()
 
 
 @triton.jit
@@ -57,6 +73,9 @@ def _skinny_gemm_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    LINE: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -66,6 +85,11 @@ def _skinny_gemm_kernel(
     n_ok = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if GDC:  # launched early: pull the first weights (no kernel writes them) into the L2
+        n_safe = tl.where(n_ok, offs_n, 0).to(tl.int64) * stride_wn
+        lines = tl.minimum(k_start + tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)
+        prefetch_l2(w_ptr + n_safe[:, None] + lines[None, :])
+        wait_for_primary(GDC)  # x is the output of the kernel before this one
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -108,16 +132,19 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
 
 
-def num_k_splits(num_n_blocks: int, k: int, num_sms: int) -> int:
-    """K splits so the grid reaches about PROGRAMS_PER_SM programs per SM, each split covering
-    at least MIN_K_PER_SPLIT of K."""
-    want = triton.cdiv(num_sms * PROGRAMS_PER_SM, num_n_blocks)
-    return max(1, min(want, k // MIN_K_PER_SPLIT))
+def num_k_splits(num_n_blocks: int, k: int, num_sms: int, cfg: SkinnyConfig) -> int:
+    """K splits so the grid reaches about cfg.programs_per_sm programs per SM, each split
+    covering at least cfg.min_k_steps K steps."""
+    want = triton.cdiv(num_sms * cfg.programs_per_sm, num_n_blocks)
+    return max(1, min(want, k // (cfg.min_k_steps * cfg.block_k)))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None
+) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS, contiguous along K) @ weight [N, K].T -> [M, N] in x's dtype;
     fp32 accumulation (fp16, bf16 or fp32 operands)."""
+    cfg = config or DEFAULT_CONFIG
     m, k = x.shape
     n = weight.shape[0]
     if m > MAX_ROWS or m == 0:
@@ -129,16 +156,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight must be contiguous along K")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    n_blocks = triton.cdiv(n, BLOCK_N)
-    splits = num_k_splits(n_blocks, k, sm_count(x.device)) if n_blocks <= MAX_COUNTERS else 1
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    splits = 1
+    if n_blocks <= MAX_COUNTERS:
+        splits = num_k_splits(n_blocks, k, sm_count(x.device), cfg)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, m, n, device=x.device, dtype=torch.float32) if splits > 1 else out
     counters = _counters(x.device) if splits > 1 else out
+    gdc = pdl(x.device)
     _skinny_gemm_kernel[(n_blocks, splits)](
         x, weight, out, part, counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         k_per_split,
-        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLIT=splits > 1, UPCAST=INTERPRET,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
+        UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        LINE=128 // weight.element_size(), PREFETCH_K=PREFETCH_K, GDC=gdc, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **({"launch_pdl": True} if gdc else {}),
     )  # fmt: skip
     return out

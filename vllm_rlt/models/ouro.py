@@ -207,7 +207,7 @@ class OuroForCausalLM(nn.Module):
         super().__init__()
         if layer_kernels not in LAYER_KERNELS:
             raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {layer_kernels!r}")
-        # which LayerKernels run the layers: "auto" (fused on CUDA, torch elsewhere), "torch",
+        # which LayerKernels run the layers: "auto" (skinny on CUDA, torch elsewhere), "torch",
         # "fused" or "skinny" (tests and benchmarks pick one)
         self.layer_kernels = layer_kernels
         backend = (

@@ -1,0 +1,180 @@
+"""GPU sweep behind the decode-step kernel defaults: the few-row GEMM's launch configs per Ouro-1.4B
+projection, and the attention's KV split length at the contexts the WCPB matrix decodes at.
+
+GEMM: each projection weight [N, K] exists in 24 copies (one per layer, so the L2 holds none
+of them); a CUDA graph calls the GEMM once per copy and its replay time over 24 is the time per
+call, beside cuBLAS (`torch.nn.functional.linear`) and the weight bytes over the copy bandwidth
+of the same run. Attention: decode rows at one context, fixed split
+counts (a split covers ceil(context / S), aligned to the KV step) against the engine's automatic
+choice under a CUDA graph sized for a 65536-position context (what `paged_attention` picks when
+`num_splits` is None and `meta.max_context` is the graph's).
+
+    python -m benchmarks.decode_sweep --out decode-sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+from dataclasses import asdict, replace
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, _time_ms
+from benchmarks.model_shapes import OURO_1_4B
+from vllm_rlt.kernels.paged_attention import DECODE_CONFIG, LaunchConfig
+from vllm_rlt.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+
+COPIES = 24
+GRAPH_MAX_CONTEXT = OURO_1_4B["max_position_embeddings"]
+SKINNY_GRID = {
+    "block_n": (16, 32, 64),
+    "block_k": (128, 256),
+    "num_warps": (4, 8),
+    "num_stages": (3, 5),
+    "programs_per_sm": (1, 2, 4),
+}
+
+
+def projections() -> dict[str, tuple[int, int]]:
+    """(N, K) of Ouro-1.4B's four projections (fused qkv and gate|up)."""
+    c = OURO_1_4B
+    h, d, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d
+    return {"qkv": (qkv, h), "o": (h, c["num_attention_heads"] * d), "gate_up": (2 * inter, h),
+            "down": (h, inter)}  # fmt: skip
+
+
+def graph_us(calls: list, rep: int) -> float:
+    """Microseconds per call of a CUDA graph replaying `calls` back to back."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    us = _time_ms(graph.replay, rep) * 1e3 / len(calls)
+    del graph
+    return us
+
+
+def _configs() -> list[SkinnyConfig]:
+    keys, values = list(SKINNY_GRID), itertools.product(*SKINNY_GRID.values())
+    return [SkinnyConfig(**dict(zip(keys, v, strict=True))) for v in values]
+
+
+def _best(results: list[dict], **where) -> dict:
+    chosen = (r for r in results if all(r[k] == v for k, v in where.items()))
+    return min(chosen, key=lambda r: r["us"])
+
+
+def sweep_gemm(rows: list[int], copy_gbps: float, rep: int) -> list[dict]:
+    out = []
+    for name, (n, k) in projections().items():
+        weights = torch.randn(COPIES, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        floor_us = n * k * 2 / copy_gbps / 1e3
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            case = {"projection": name, "n": n, "k": k, "rows": m, "floor_us": floor_us}
+            for kernel, cfg in [("cublas", None)] + [("skinny", c) for c in _configs()]:
+                args = (F.linear, x) if cfg is None else (skinny_linear, x)
+                calls = [functools.partial(*args, w, *([cfg] if cfg else [])) for w in weights]
+                us = graph_us(calls, rep)
+                out.append({**case, "kernel": kernel, "config": cfg and asdict(cfg), "us": us,
+                            "frac_of_copy": floor_us / us})  # fmt: skip
+            best = _best(out, projection=name, rows=m)
+            share = f"{best['frac_of_copy']:.0%}"
+            print(f"{name:>12} rows {m:2d}: best {best['kernel']} {best['config']} "
+                  f"{best['us']:.1f} us ({share} of copy)", flush=True)  # fmt: skip
+        del weights
+    return out
+
+
+def sweep_attention(rep: int, copy_gbps: float) -> list[dict]:
+    bench, out = Bench(rep), []
+    for ctx, rows in itertools.product((512, 768, 1024), (1, 2, 4, 8, 16, 32)):
+        segs = [(ctx - 1, 1)] * rows
+        sets = bench.cases(segs, max_sets=8)
+        graph_sets = [(replace(m, max_context=GRAPH_MAX_CONTEXT), q, k, v) for m, q, k, v in sets]
+        for splits in ("auto", 1, 2, 3, 4, 6, 8):
+            if splits == "auto":
+                t = bench.attention(graph_sets, False)
+            else:
+                t = bench.attention(sets, False, num_splits=splits)
+            us = t["graph_us"]
+            out.append({"context": ctx, "rows": rows, "num_splits": splits, "us": us,
+                        "frac_of_copy": _kv_bytes(segs) / us / 1e3 / copy_gbps})  # fmt: skip
+        auto, best = out[-7], _best(out, context=ctx, rows=rows)
+        print(f"attention ctx {ctx} rows {rows:2d}: auto {auto['us']:.1f} us, best "
+              f"{best['num_splits']} splits {best['us']:.1f} us", flush=True)  # fmt: skip
+    return out
+
+
+ATTENTION_CONFIGS = [
+    LaunchConfig(block_n, warps, stages, use_dot)
+    for block_n, warps, stages, use_dot in itertools.product(
+        (32, 64, 128), (4, 8), (2, 3, 4), (True, False)
+    )
+    if use_dot or block_n <= 64
+]
+
+
+def sweep_attention_configs(rep: int, copy_gbps: float) -> list[dict]:
+    """Decode launch configs at the engine's automatic splits (a graph-sized grid)."""
+    bench, out = Bench(rep), []
+    for ctx, rows in itertools.product((512, 768), (1, 8, 16, 32)):
+        segs = [(ctx - 1, 1)] * rows
+        sets = bench.cases(segs, max_sets=8)
+        graph_sets = [(replace(m, max_context=GRAPH_MAX_CONTEXT), q, k, v) for m, q, k, v in sets]
+        for cfg in ATTENTION_CONFIGS:
+            us = bench.attention(graph_sets, False, decode_config=cfg)["graph_us"]
+            out.append({"context": ctx, "rows": rows, "config": asdict(cfg), "us": us,
+                        "frac_of_copy": _kv_bytes(segs) / us / 1e3 / copy_gbps})  # fmt: skip
+        default = next(
+            r for r in out[-len(ATTENTION_CONFIGS) :] if r["config"] == asdict(DECODE_CONFIG)
+        )
+        best = _best(out, context=ctx, rows=rows)
+        print(f"decode config ctx {ctx} rows {rows:2d}: default {default['us']:.1f} us, best "
+              f"{best['config']} {best['us']:.1f} us", flush=True)  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--rep", type=int, default=30, help="do_bench repetition time (ms)")
+    p.add_argument("--skip-gemm", action="store_true")
+    p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--attention-configs", action="store_true", help="also sweep decode configs")
+    args = p.parse_args(argv)
+    ceilings = _ceilings(args.rep)
+    res = {"env": _env(), "ceilings": ceilings, "command": sys.argv}
+    copy_gbps = ceilings["copy_GBps"]
+    if not args.skip_attention:
+        res["attention"] = sweep_attention(args.rep, copy_gbps)
+        _write(args.out, res)
+    if args.attention_configs:
+        res["attention_configs"] = sweep_attention_configs(args.rep, copy_gbps)
+        _write(args.out, res)
+    if not args.skip_gemm:
+        res["gemm"] = sweep_gemm(args.rows, copy_gbps, args.rep)
+        _write(args.out, res)
+
+
+def _write(path: str, res: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
