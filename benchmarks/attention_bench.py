@@ -170,7 +170,7 @@ def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
                     "context": ctx,
                     "rows": rows,
                     "num_splits": pa.choose_num_splits(
-                        rows * HEADS, ctx, num_sms, pa.DECODE_SPLITS
+                        rows * HEADS, ctx, num_sms, pa.split_policy(rows * HEADS, True, num_sms)
                     ),
                     "kv_bytes": _kv_bytes(segs),
                     "attention": attn,

@@ -1,15 +1,18 @@
 """GPU sweep behind the decode-step kernel defaults: the few-row GEMM's launch configs per Ouro-1.4B
-projection, and the attention's KV split length at the contexts the WCPB matrix decodes at.
+projection, and the attention's KV split length and launch configs at the contexts the WCPB
+matrix decodes at.
 
 GEMM: each projection weight [N, K] exists in 24 copies (one per layer, so the L2 holds none
 of them); a CUDA graph calls the GEMM once per copy and its replay time over 24 is the time per
 call, beside cuBLAS (`torch.nn.functional.linear`) and the weight bytes over the copy bandwidth
-of the same run. Attention: decode rows at one context, fixed split
-counts (a split covers ceil(context / S), aligned to the KV step) against the engine's automatic
-choice under a CUDA graph sized for a 65536-position context (what `paged_attention` picks when
-`num_splits` is None and `meta.max_context` is the graph's).
+of the same run. Attention: decode rows at one context, fixed split counts (a split covers
+ceil(context / S), aligned to the KV step) against the automatic choice under a CUDA graph sized
+for a 65536-position context (what `paged_attention` picks when `num_splits` is None and
+`meta.max_context` is the graph's); `--attention-configs` times decode launch configs at that
+automatic choice.
 
     python -m benchmarks.decode_sweep --out decode-sweep.json
+    python -m benchmarks.decode_sweep --skip-gemm --skip-attention --attention-configs --out c.json
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, _time_ms
 from benchmarks.model_shapes import OURO_1_4B
+from benchmarks.provenance import commit, engine_digest
 from vllm_rlt.kernels.paged_attention import DECODE_CONFIG, LaunchConfig
 from vllm_rlt.kernels.skinny_gemm import SkinnyConfig, skinny_linear
 
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-configs", action="store_true", help="also sweep decode configs")
     args = p.parse_args(argv)
     ceilings = _ceilings(args.rep)
-    res = {"env": _env(), "ceilings": ceilings, "command": sys.argv}
+    res = {"env": _env(), "ceilings": ceilings, "command": sys.argv, "commit": commit(),
+           "engine_sha256": engine_digest()}  # fmt: skip
     copy_gbps = ceilings["copy_GBps"]
     if not args.skip_attention:
         res["attention"] = sweep_attention(args.rep, copy_gbps)

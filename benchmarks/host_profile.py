@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
+from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import INPUTS, mode_settings
 from vllm_rlt.config import EngineConfig
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
             _release()
             brief = {k: runs[-1][k] for k in ("wall_s", "steps", "gpu_wait_s") if k in runs[-1]}
             print(mode, "profiled" if profiled else "timed", brief, flush=True)
-    res = {"command": sys.argv, "args": vars(args), "runs": runs}
+    provenance = {"commit": commit(), "engine_sha256": engine_digest()}
+    res = {"command": sys.argv, "args": vars(args), **provenance, "runs": runs}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     return res

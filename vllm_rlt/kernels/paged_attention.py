@@ -48,9 +48,10 @@ CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # ro
 
 
 # Automatic KV splits: split until the grid holds about `programs_per_sm` programs per SM, each
-# split at least `min_len` positions long. Launches with multi-row (prefill) tiles and decode-only
-# launches differ (docs/benchmarks/decode-sweep.md: at 512-1024 positions, 1-16 decode rows run
-# fastest in 128-position splits up to ~2 programs per SM, 16 rows unsplit).
+# split at least `min_len` positions long. Decode-only launches of at most one program per SM
+# before splitting (up to 8 rows of Ouro-1.4B's 16 heads on an H200) split finer: at 512-1024
+# positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per SM, while
+# 16 and 32 rows mostly do better with the general policy (docs/benchmarks/decode-sweep.md).
 @dataclass(frozen=True)
 class SplitPolicy:
     programs_per_sm: int
@@ -312,6 +313,11 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPolicy:
+    """The split policy of a launch of `num_programs` (tiles x KV heads) before splitting."""
+    return DECODE_SPLITS if decode_only and num_programs <= num_sms else SPLITS
+
+
 def choose_num_splits(
     num_programs: int, max_context: int, num_sms: int, policy: SplitPolicy = SPLITS
 ) -> int:
@@ -388,10 +394,9 @@ def paged_attention(
     block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
     min_split_len = block_n
     if num_splits is None:
-        policy = DECODE_SPLITS if num_one == num_tiles else SPLITS
-        num_splits = choose_num_splits(
-            num_tiles * num_kv_heads, meta.max_context, sm_count(q.device), policy
-        )
+        programs, num_sms = num_tiles * num_kv_heads, sm_count(q.device)
+        policy = split_policy(programs, num_one == num_tiles, num_sms)
+        num_splits = choose_num_splits(programs, meta.max_context, num_sms, policy)
         min_split_len = triton.cdiv(policy.min_len, block_n) * block_n
 
     if out is None:
