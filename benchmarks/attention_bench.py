@@ -31,6 +31,7 @@ from triton.testing import do_bench
 
 from vllm_rlt.attention.metadata import build_attention_metadata
 from vllm_rlt.attention.triton_backend import TritonAttentionBackend
+from vllm_rlt.kernels import attention_splits as attn_splits
 from vllm_rlt.kernels import paged_attention as pa
 from vllm_rlt.kernels.device_info import sm_count
 
@@ -169,8 +170,11 @@ def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
                 {
                     "context": ctx,
                     "rows": rows,
-                    "num_splits": pa.choose_num_splits(
-                        rows * HEADS, ctx, num_sms, pa.split_policy(rows * HEADS, True, num_sms)
+                    "num_splits": attn_splits.choose_num_splits(
+                        rows * HEADS,
+                        ctx,
+                        num_sms,
+                        attn_splits.split_policy(rows * HEADS, True, num_sms),
                     ),
                     "kv_bytes": _kv_bytes(segs),
                     "attention": attn,
@@ -358,8 +362,8 @@ def main(argv: list[str] | None = None) -> None:
         "decode": asdict(pa.DECODE_CONFIG),
         "chunk": asdict(pa.CHUNK_CONFIG),
         "chunk_large_m": asdict(pa.CHUNK_CONFIG_LARGE_M),
-        "splits": asdict(pa.SPLITS),
-        "decode_splits": asdict(pa.DECODE_SPLITS),
+        "splits": asdict(attn_splits.SPLITS),
+        "decode_splits": asdict(attn_splits.DECODE_SPLITS),
     }
     res["decode"] = run_decode(bench, copy_gbps)
     res["chunks"] = run_chunks(bench, mm)

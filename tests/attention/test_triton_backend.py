@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 from vllm_rlt.attention.metadata import AttentionMetadata, build_attention_metadata  # noqa: E402
 from vllm_rlt.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from vllm_rlt.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from vllm_rlt.kernels import paged_attention as pa  # noqa: E402
+from vllm_rlt.kernels import attention_splits as splits  # noqa: E402
 from vllm_rlt.kernels.paged_attention import LaunchConfig, paged_attention  # noqa: E402
 
 # Segments as (first position, rows): prefill chunks of 37, 16, 3 and 1 rows at several depths,
@@ -231,13 +231,13 @@ def test_a_grid_sized_for_longer_contexts_splits_each_tile_by_its_own(
 def test_few_decode_rows_split_finer_than_other_launches():
     """On 132 SMs with 16 KV heads: 1-8 decode rows get ~2 programs per SM in 128-position
     splits; 16 decode rows, and any launch with prefill tiles, the general policy."""
-    one, eight, sixteen = (pa.split_policy(rows * 16, True, 132) for rows in (1, 8, 16))
-    assert one == eight == pa.DECODE_SPLITS and sixteen == pa.SPLITS
-    assert pa.split_policy(16, False, 132) == pa.SPLITS
-    assert pa.choose_num_splits(16, 65536, 132, pa.DECODE_SPLITS) == 17
-    assert pa.choose_num_splits(128, 65536, 132, pa.DECODE_SPLITS) == 3
-    assert pa.choose_num_splits(256, 65536, 132, pa.SPLITS) == 5
-    assert pa.choose_num_splits(256, 512, 132, pa.SPLITS) == 2  # >= 256 positions each
+    one, eight, sixteen = (splits.split_policy(rows * 16, True, 132) for rows in (1, 8, 16))
+    assert one == eight == splits.DECODE_SPLITS and sixteen == splits.SPLITS
+    assert splits.split_policy(16, False, 132) == splits.SPLITS
+    assert splits.choose_num_splits(16, 65536, 132, splits.DECODE_SPLITS) == 17
+    assert splits.choose_num_splits(128, 65536, 132, splits.DECODE_SPLITS) == 3
+    assert splits.choose_num_splits(256, 65536, 132, splits.SPLITS) == 5
+    assert splits.choose_num_splits(256, 512, 132, splits.SPLITS) == 2  # >= 256 positions each
 
 
 def test_kv_write() -> None:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.attention_splits import choose_num_splits, split_policy
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import pdl, release_dependents
 
@@ -47,20 +48,6 @@ CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x he
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
 
 
-# Automatic KV splits: split until the grid holds about `programs_per_sm` programs per SM, each
-# split at least `min_len` positions long. Decode-only launches of at most one program per SM
-# before splitting (up to 8 rows of Ouro-1.4B's 16 heads on an H200) split finer: at 512-1024
-# positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per SM, while
-# 16 and 32 rows mostly do better with the general policy (docs/benchmarks/decode-sweep.md).
-@dataclass(frozen=True)
-class SplitPolicy:
-    programs_per_sm: int
-    min_len: int
-
-
-SPLITS = SplitPolicy(programs_per_sm=8, min_len=256)
-DECODE_SPLITS = SplitPolicy(programs_per_sm=2, min_len=128)
-MAX_SPLITS = 64
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
 FP32_BLOCK_N = 32
@@ -311,24 +298,6 @@ def _combine_kernel(
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     o_ptrs = out_ptr + row.to(tl.int64) * stride_o_row + head * stride_o_head + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
-
-
-def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPolicy:
-    """The split policy of a launch of `num_programs` (tiles x KV heads) before splitting."""
-    return DECODE_SPLITS if decode_only and num_programs <= num_sms else SPLITS
-
-
-def choose_num_splits(
-    num_programs: int, max_context: int, num_sms: int, policy: SplitPolicy = SPLITS
-) -> int:
-    """KV splits per tile in the grid so that it holds about policy.programs_per_sm programs per
-    SM, each split covering >= policy.min_len at `max_context`."""
-    target = num_sms * policy.programs_per_sm
-    if num_programs >= target:
-        return 1
-    by_fill = triton.cdiv(target, num_programs)
-    by_len = max(1, max_context // policy.min_len)
-    return max(1, min(by_fill, by_len, MAX_SPLITS))
 
 
 def _launch_class(

@@ -1,0 +1,47 @@
+"""How many pieces paged attention splits each tile's KV range into (flash-decoding).
+
+A launch's grid holds a fixed number of splits S per tile (CUDA graphs fix it at capture);
+`paged_attention` then gives each tile pieces of ceil(context / S) positions, at least the
+policy's `min_len`. The policy depends on the launch: few decode rows want many short pieces to
+fill the GPU, prefill tiles and many rows fewer, longer ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+# Automatic KV splits: split until the grid holds about `programs_per_sm` programs per SM, each
+# split at least `min_len` positions long. Decode-only launches of at most one program per SM
+# before splitting (up to 8 rows of Ouro-1.4B's 16 heads on an H200) split finer: at 512-1024
+# positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per SM, while
+# 16 and 32 rows mostly do better with the general policy (docs/benchmarks/decode-sweep.md).
+@dataclass(frozen=True)
+class SplitPolicy:
+    programs_per_sm: int
+    min_len: int
+
+
+SPLITS = SplitPolicy(programs_per_sm=8, min_len=256)
+DECODE_SPLITS = SplitPolicy(programs_per_sm=2, min_len=128)
+MAX_SPLITS = 64
+
+
+def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPolicy:
+    """The split policy of a launch of `num_programs` (tiles x KV heads) before splitting."""
+    return DECODE_SPLITS if decode_only and num_programs <= num_sms else SPLITS
+
+
+def choose_num_splits(
+    num_programs: int, max_context: int, num_sms: int, policy: SplitPolicy = SPLITS
+) -> int:
+    """KV splits per tile in the grid so that it holds about policy.programs_per_sm programs per
+    SM, each split covering >= policy.min_len at `max_context`."""
+    target = num_sms * policy.programs_per_sm
+    if num_programs >= target:
+        return 1
+    by_fill = triton.cdiv(target, num_programs)
+    by_len = max(1, max_context // policy.min_len)
+    return max(1, min(by_fill, by_len, MAX_SPLITS))
