@@ -132,10 +132,12 @@ ATTENTION_CONFIGS = [
 ]
 
 
-def sweep_attention_configs(rep: int, copy_gbps: float) -> list[dict]:
+def sweep_attention_configs(
+    rep: int, copy_gbps: float, contexts: list[int], rows_list: list[int]
+) -> list[dict]:
     """Decode launch configs at the engine's automatic splits (a graph-sized grid)."""
     bench, out = Bench(rep), []
-    for ctx, rows in itertools.product((512, 768), (1, 8, 16, 32)):
+    for ctx, rows in itertools.product(contexts, rows_list):
         segs = [(ctx - 1, 1)] * rows
         sets = bench.cases(segs, max_sets=8)
         graph_sets = [(replace(m, max_context=GRAPH_MAX_CONTEXT), q, k, v) for m, q, k, v in sets]
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-gemm", action="store_true")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--attention-configs", action="store_true", help="also sweep decode configs")
+    p.add_argument("--config-contexts", type=int, nargs="+", default=[512, 768])
+    p.add_argument("--config-rows", type=int, nargs="+", default=[1, 8, 16, 32])
     args = p.parse_args(argv)
     ceilings = _ceilings(args.rep)
     res = {"env": _env(), "ceilings": ceilings, "command": sys.argv, "commit": commit(),
@@ -169,7 +173,9 @@ def main(argv: list[str] | None = None) -> None:
         res["attention"] = sweep_attention(args.rep, copy_gbps)
         _write(args.out, res)
     if args.attention_configs:
-        res["attention_configs"] = sweep_attention_configs(args.rep, copy_gbps)
+        res["attention_configs"] = sweep_attention_configs(
+            args.rep, copy_gbps, args.config_contexts, args.config_rows
+        )
         _write(args.out, res)
     if not args.skip_gemm:
         res["gemm"] = sweep_gemm(args.rows, copy_gbps, args.rep)
