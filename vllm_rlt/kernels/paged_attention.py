@@ -46,8 +46,6 @@ class LaunchConfig:
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=True)
 CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x heads < 64
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
-
-
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
 FP32_BLOCK_N = 32
@@ -338,9 +336,8 @@ def paged_attention(
 
     Returns [R, Hq, d] in q's dtype (written into `out` when given). `num_splits` fixes the KV
     splits per tile (default: chosen from the grid size and max context by the split policy of
-    decode-only or mixed launches; a fixed count splits a tile's context evenly); the configs
-    override the
-    tuned launch shapes.
+    decode-only or mixed launches, `attention_splits.py`; a fixed count splits a tile's context
+    evenly); the configs override the tuned launch shapes.
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

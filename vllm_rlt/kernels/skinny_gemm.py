@@ -32,9 +32,7 @@ from vllm_rlt.kernels.pdl import pdl, prefetch_l2, wait_for_primary
 
 MAX_ROWS = 16  # rows of x one launch handles (the dot's minimum M)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-PREFETCH_K = (
-    256  # K columns of its weight rows a program pulls into the L2 before its input is ready
-)
+PREFETCH_K = 256  # K columns of its weight rows a program pulls into the L2 when launched early
 MAX_COUNTERS = 4096  # output blocks of one launch whose split arrivals a device buffer counts
 
 
