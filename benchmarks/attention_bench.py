@@ -44,6 +44,21 @@ def _time_ms(fn, rep: int) -> float:
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
+def graph_us(calls: list, rep: int) -> float:
+    """Microseconds per call of a CUDA graph replaying `calls` back to back (GPU time, as the
+    engine's captured invocations run), after one eager round (compilation)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    us = _time_ms(graph.replay, rep) * 1e3 / len(calls)
+    del graph
+    return us
+
+
 class Bench:
     """A bf16 KV pool, fragmented block tables, and the two timers (eager and graph replay)."""
 
@@ -80,18 +95,10 @@ class Bench:
 
     def _time(self, calls: list, eager: bool = True) -> dict:
         """Median microseconds per call: eager (host launches included) and CUDA-graph replay of
-        all calls (GPU time, as the engine's captured invocations run)."""
-        for call in calls:
-            call()
-        torch.cuda.synchronize()
+        all calls (`graph_us`)."""
+        replay_us = graph_us(calls, self.rep)
         eager_ms = _time_ms(calls[0], self.rep) if eager else float("nan")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        replay = _time_ms(graph.replay, self.rep) / len(calls)
-        del graph
-        return {"graph_us": replay * 1e3, "eager_us": eager_ms * 1e3, "sets": len(calls)}
+        return {"graph_us": replay_us, "eager_us": eager_ms * 1e3, "sets": len(calls)}
 
     def attention(self, sets, eager: bool = True, **kw) -> dict:
         kc, vc = self.k_cache, self.v_cache

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, _time_ms
+from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, graph_us
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.provenance import commit, engine_digest
 from vllm_rlt.kernels.paged_attention import DECODE_CONFIG, LaunchConfig
@@ -55,20 +55,6 @@ def projections() -> dict[str, tuple[int, int]]:
     qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * d
     return {"qkv": (qkv, h), "o": (h, c["num_attention_heads"] * d), "gate_up": (2 * inter, h),
             "down": (h, inter)}  # fmt: skip
-
-
-def graph_us(calls: list, rep: int) -> float:
-    """Microseconds per call of a CUDA graph replaying `calls` back to back."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    us = _time_ms(graph.replay, rep) * 1e3 / len(calls)
-    del graph
-    return us
 
 
 def _configs() -> list[SkinnyConfig]:

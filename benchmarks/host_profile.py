@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import gc
 import json
 import pstats
 import sys
@@ -29,8 +28,7 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.workload import build_workload
-from benchmarks.wcpb_matrix import INPUTS, mode_settings
-from vllm_rlt.config import EngineConfig
+from benchmarks.wcpb_matrix import INPUTS, cell_config, release_device_memory
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.sampling_params import SamplingParams
@@ -56,19 +54,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _release() -> None:
-    """Free the finished engine's KV cache (the timing wrappers tie it into a reference cycle)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_mode(loaded, args, mode: str, profiled: bool) -> dict:
-    config = EngineConfig.from_kwargs(
-        max_num_seqs=8, max_num_batched_tokens=1024, prefill_chunk_size=args.chunk,
-        exit_threshold=1.0, kv_cache_memory_gb=args.kv_cache_gb, **mode_settings(mode, 256),
-    )  # fmt: skip
-    engine = LLMEngine(config, loaded)
+    engine = LLMEngine(cell_config(args, args.chunk, mode), loaded)
     vocab = loaded.config.vocab_size
     wl = build_workload("concurrent", args.num_requests, INPUTS[args.inputs], 64, vocab, seed=0)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -115,6 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--inputs", choices=list(INPUTS), default="fixed")
     p.add_argument("--num-requests", type=int, default=24)
     p.add_argument("--modes", nargs="+", default=["split", "wcpb"])
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--wcpb-cap", type=int, default=256, help="prefill rows beside decode rows")
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     args = p.parse_args(argv)
     path = write_shape(args.shape, tempfile.mkdtemp())
@@ -123,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
     for profiled in (False, True):
         for mode in args.modes:
             runs.append(run_mode(loaded, args, mode, profiled))
-            _release()
+            release_device_memory()  # the timing wrappers tie the engine into a reference cycle
             brief = {k: runs[-1][k] for k in ("wall_s", "steps", "gpu_wait_s") if k in runs[-1]}
             print(mode, "profiled" if profiled else "timed", brief, flush=True)
     provenance = {"commit": commit(), "engine_sha256": engine_digest()}

@@ -80,6 +80,26 @@ METRICS = [
 BUSY = "GPU busy"  # from the profiled rounds
 
 
+def cell_config(args, chunk: int, mode: str) -> EngineConfig:
+    """The engine config of a matrix mode at chunk size `chunk` (`args`: max_num_seqs,
+    max_num_batched_tokens, kv_cache_gb, wcpb_cap); fixed depth."""
+    return EngineConfig.from_kwargs(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=chunk,
+        exit_threshold=1.0,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        **mode_settings(mode, args.wcpb_cap),
+    )
+
+
+def release_device_memory() -> None:
+    """Free a finished engine's device memory (its KV cache) before the next one starts."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def cells(chunks: list[int]) -> list[tuple[int, str, str]]:
     return list(itertools.product(chunks, PROFILES, INPUTS))
 
@@ -97,14 +117,7 @@ def run_one(
 ) -> dict:
     """One engine run of one mode in one cell (`smoke`: CPU overrides of inputs and rates;
     `profiled`: record GPU activity for the busy fraction)."""
-    config = EngineConfig.from_kwargs(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=chunk,
-        exit_threshold=1.0,
-        kv_cache_memory_gb=args.kv_cache_gb,
-        **mode_settings(mode, args.wcpb_cap),
-    )
+    config = cell_config(args, chunk, mode)
     vocab = loaded.config.vocab_size
     p = {**PROFILES[profile], **smoke.get("profiles", {}).get(profile, {})}
     lens = smoke.get("inputs", INPUTS)[inputs]
@@ -133,9 +146,7 @@ def run_one(
         return out
 
     result = asyncio.run(go())
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_device_memory()
     cell = {"chunk": chunk, "profile": profile, "inputs": inputs, "mode": mode, "repeat": repeat}
     return {**cell, "requests": args.num_requests, "profiled": profiled, **result}
 
