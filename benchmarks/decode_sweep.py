@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -34,17 +35,23 @@ import torch.nn.functional as F
 from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, graph_us
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.provenance import commit, engine_digest
+from vllm_rlt.kernels.fused_ops import rope_qk_, silu_mul
 from vllm_rlt.kernels.paged_attention import DECODE_CONFIG, LaunchConfig
-from vllm_rlt.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from vllm_rlt.kernels.skinny_gemm import SkinnyConfig, skinny_linear, skinny_qkv_rope, skinny_swiglu
+from vllm_rlt.models.layers import RotaryEmbedding
 
 COPIES = 24
 GRAPH_MAX_CONTEXT = OURO_1_4B["max_position_embeddings"]
-SKINNY_GRID = {
-    "block_n": (16, 32, 64),
-    "block_k": (128, 256),
-    "num_warps": (4, 8),
-    "num_stages": (3, 5),
-    "programs_per_sm": (1, 2, 4),
+SKINNY_GRIDS = {
+    "full": {
+        "block_n": (16, 32, 64),
+        "block_k": (128, 256),
+        "num_warps": (4, 8),
+        "num_stages": (3, 5),
+        "programs_per_sm": (1, 2, 4),
+    },
+    "small": {"block_n": (32, 64), "num_stages": (3, 4), "programs_per_sm": (1, 2)},
+    "default": {},
 }
 
 
@@ -57,8 +64,8 @@ def projections() -> dict[str, tuple[int, int]]:
             "down": (h, inter)}  # fmt: skip
 
 
-def _configs() -> list[SkinnyConfig]:
-    keys, values = list(SKINNY_GRID), itertools.product(*SKINNY_GRID.values())
+def _configs(grid: dict[str, tuple[int, ...]]) -> list[SkinnyConfig]:
+    keys, values = list(grid), itertools.product(*grid.values())
     return [SkinnyConfig(**dict(zip(keys, v, strict=True))) for v in values]
 
 
@@ -67,7 +74,30 @@ def _best(results: list[dict], **where) -> dict:
     return min(chosen, key=lambda r: r["us"])
 
 
-def sweep_gemm(rows: list[int], copy_gbps: float, rep: int) -> list[dict]:
+def _with_epilogue(name: str, x: torch.Tensor) -> dict[str, Callable]:
+    """The projection followed by the element-wise op after it in the layer (SwiGLU's activation,
+    RoPE), as separate launches (cuBLAS or the few-row GEMM, then `fused_ops`) and as the few-row
+    GEMM's epilogue; weight -> output."""
+    c, m = OURO_1_4B, x.shape[0]
+    if name == "gate_up":
+        return {
+            "cublas+silu_mul": lambda w: silu_mul(F.linear(x, w)),
+            "skinny+silu_mul": lambda w: silu_mul(skinny_linear(x, w)),
+            "skinny_swiglu": lambda w: skinny_swiglu(x, w),
+        }
+    if name != "qkv":
+        return {}
+    heads = (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"])
+    rotary = RotaryEmbedding(c["head_dim"], 1024, c["rope_theta"]).cuda()
+    rope = rotary.tables(torch.arange(500, 500 + m, device="cuda"), x.dtype)
+    return {
+        "cublas+rope": lambda w: rope_qk_(F.linear(x, w), *rope, *heads),
+        "skinny+rope": lambda w: rope_qk_(skinny_linear(x, w), *rope, *heads),
+        "skinny_qkv_rope": lambda w: skinny_qkv_rope(x, w, *rope, *heads),
+    }
+
+
+def sweep_gemm(rows: list[int], copy_gbps: float, rep: int, grid: str) -> list[dict]:
     out = []
     for name, (n, k) in projections().items():
         weights = torch.randn(COPIES, n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -75,12 +105,18 @@ def sweep_gemm(rows: list[int], copy_gbps: float, rep: int) -> list[dict]:
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             case = {"projection": name, "n": n, "k": k, "rows": m, "floor_us": floor_us}
-            for kernel, cfg in [("cublas", None)] + [("skinny", c) for c in _configs()]:
+            configs = [("skinny", c) for c in _configs(SKINNY_GRIDS[grid])]
+            for kernel, cfg in [("cublas", None), *configs]:
                 args = (F.linear, x) if cfg is None else (skinny_linear, x)
                 calls = [functools.partial(*args, w, *([cfg] if cfg else [])) for w in weights]
                 us = graph_us(calls, rep)
                 out.append({**case, "kernel": kernel, "config": cfg and asdict(cfg), "us": us,
                             "frac_of_copy": floor_us / us})  # fmt: skip
+            for kernel, call in _with_epilogue(name, x).items():
+                us = graph_us([functools.partial(call, w) for w in weights], rep)
+                out.append({**case, "kernel": kernel, "config": None, "us": us,
+                            "frac_of_copy": floor_us / us})  # fmt: skip
+                print(f"{name:>12} rows {m:2d}: {kernel} {us:.1f} us", flush=True)
             best = _best(out, projection=name, rows=m)
             share = f"{best['frac_of_copy']:.0%}"
             print(f"{name:>12} rows {m:2d}: best {best['kernel']} {best['config']} "
@@ -146,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rep", type=int, default=30, help="do_bench repetition time (ms)")
     p.add_argument("--skip-gemm", action="store_true")
+    p.add_argument("--gemm-grid", choices=sorted(SKINNY_GRIDS), default="full")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--attention-configs", action="store_true", help="also sweep decode configs")
     p.add_argument("--config-contexts", type=int, nargs="+", default=[512, 768])
@@ -164,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         _write(args.out, res)
     if not args.skip_gemm:
-        res["gemm"] = sweep_gemm(args.rows, copy_gbps, args.rep)
+        res["gemm"] = sweep_gemm(args.rows, copy_gbps, args.rep, args.gemm_grid)
         _write(args.out, res)
 
 

@@ -1,4 +1,5 @@
-"""The few-row GEMM (`vllm_rlt.kernels.skinny_gemm`) against fp64 matmuls of the same values.
+"""The few-row GEMM (`vllm_rlt.kernels.skinny_gemm`) against fp64 matmuls of the same values,
+and its SwiGLU and RoPE epilogues against the separate kernels (`fused_ops`) they replace.
 
 On CPU under the Triton interpreter (fp32 arithmetic, so fp32 results sit within fp32 summation
 error of the fp64 product and bf16 results are that product rounded to bf16: at most one bf16 ulp
@@ -10,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_rlt.kernels import skinny_gemm
+from vllm_rlt.kernels import fused_ops, skinny_gemm
 from vllm_rlt.kernels.skinny_gemm import SkinnyConfig
+from vllm_rlt.models.layers import RotaryEmbedding
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -72,6 +74,44 @@ def test_k_splits_fill_the_h200_for_ouro_projections():
     assert skinny_gemm.num_k_splits(blocks[2048], 5632, 132, cfg) == 5
     assert skinny_gemm.num_k_splits(blocks[6144], 2048, 132, cfg) == 2
     assert skinny_gemm.num_k_splits(blocks[11264], 2048, 132, cfg) == 1
+
+
+SPLIT_K = SkinnyConfig(block_k=32, programs_per_sm=256, min_k_steps=1)  # 3 splits of K = 96
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, SPLIT_K], ids=["whole-k", "split-k"])
+def test_the_swiglu_epilogue_is_silu_mul_of_the_gemm(device, dtype, config):
+    x, gate_up = operands(5, 2 * 72, 96, dtype, device, seed=3)  # I = 72: a partial last block
+    expected = fused_ops.silu_mul(skinny_gemm.skinny_linear(x, gate_up, config))
+    assert torch.equal(skinny_gemm.skinny_swiglu(x, gate_up, config), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, SPLIT_K], ids=["whole-k", "split-k"])
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 32), ((2, 2), 64)])
+def test_the_rope_epilogue_is_rope_of_the_gemm(device, dtype, config, heads, head_dim):
+    num_heads, num_kv_heads = heads
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    x, w = operands(6, n, 96, dtype, device, seed=4)
+    positions = torch.tensor([0, 5, 17, 100, 2, 63], device=device)
+    rope = RotaryEmbedding(head_dim, 128, 10000.0).to(device).tables(positions, dtype)
+    plain = skinny_gemm.skinny_linear(x, w, config)
+    q, k, v = fused_ops.rope_qk_(plain.clone(), *rope, num_heads, num_kv_heads, head_dim)
+    fused = skinny_gemm.skinny_qkv_rope(x, w, *rope, num_heads, num_kv_heads, head_dim, config)
+    assert torch.equal(fused, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1))
+    assert not torch.equal(fused[:, : n // 3], plain[:, : n // 3])  # q really rotated
+
+
+def test_rope_epilogue_needs_whole_blocks_per_half_head():
+    assert skinny_gemm.rope_fits(32) and skinny_gemm.rope_fits(128)
+    assert not skinny_gemm.rope_fits(8) and not skinny_gemm.rope_fits(48)
+    x, w = operands(2, 4 * 8, 16, torch.float32, "cpu")
+    cos = torch.ones(2, 8)
+    with pytest.raises(ValueError, match="heads of 8"):
+        skinny_gemm.skinny_qkv_rope(x, w, cos, cos, 2, 1, 8)
 
 
 def test_bad_operands_are_refused():

@@ -1,8 +1,8 @@
 """The fused layer path: fused q/k/v and gate/up weights share memory with the HF-named
 parameters through construction, dtype conversion, random init and checkpoint loading; the
 fused model (fused GEMMs + Triton kernels), and the skinny one (the same with its projections of
-up to 16 rows on the few-row GEMM kernel; the prompts run in chunks of 8), compute what the torch
-path computes.
+up to 16 rows on the few-row GEMM kernel, RoPE in the q/k/v GEMM where heads are wide enough:
+not in the tiny shape; the prompts run in chunks of 8), compute what the torch path computes.
 
 The model comparison runs on CPU (Triton interpreter, tiny shapes) and, marked `gpu`, on CUDA
 with a mid-size shape too. fp32: within 1e-5 (the paths differ only in GEMM shapes and the order
@@ -88,6 +88,7 @@ MID = {"hidden_size": 256, "intermediate_size": 704, "head_dim": 64}
 CASES = [
     pytest.param("cpu", {}, torch.float32, id="cpu-tiny-fp32"),
     pytest.param("cpu", {}, torch.bfloat16, id="cpu-tiny-bf16"),
+    pytest.param("cpu", {"head_dim": 32}, torch.bfloat16, id="cpu-hd32-bf16"),  # RoPE epilogue
     pytest.param("cuda", {}, torch.float32, marks=pytest.mark.gpu, id="cuda-tiny-fp32"),
     pytest.param("cuda", MID, torch.float32, marks=pytest.mark.gpu, id="cuda-mid-fp32"),
     pytest.param("cuda", MID, torch.bfloat16, marks=pytest.mark.gpu, id="cuda-mid-bf16"),

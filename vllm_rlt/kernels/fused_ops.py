@@ -25,7 +25,7 @@ import triton.language as tl
 from vllm_rlt.kernels.device_info import INTERPRET
 from vllm_rlt.kernels.pdl import pdl, release_dependents
 
-_NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
+NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
 # The interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even): round by hand there.
 _RNE_BY_HAND = tl.constexpr(INTERPRET)
 
@@ -106,7 +106,7 @@ def _rms_norm_kernel(
 def _norm_launch(x: torch.Tensor) -> dict:
     block = triton.next_power_of_2(x.shape[1])
     warps = 4 if block <= 1024 else 8
-    return {"BLOCK": block, "num_warps": warps, "GDC": pdl(x.device), **_NO_FMA}
+    return {"BLOCK": block, "num_warps": warps, "GDC": pdl(x.device), **NO_FMA}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,6 +152,25 @@ def add_rms_norm(
 
 
 @triton.jit
+def rotate_halves(lo, hi, cos_lo, sin_lo, cos_hi, sin_hi, ACC: tl.constexpr):
+    """RoPE of the two halves of heads (in their dtype; the tables in ACC): lo*cos_lo + hi*sin_lo
+    and hi*cos_hi + lo*sin_hi, each product and the sum rounded to the halves' dtype."""
+    dt = lo.dtype
+    lo32, hi32 = lo.to(ACC), hi.to(ACC)
+    new_lo = _round(lo32 * cos_lo, dt).to(ACC) + _round(hi32 * sin_lo, dt).to(ACC)
+    new_hi = _round(hi32 * cos_hi, dt).to(ACC) + _round(lo32 * sin_hi, dt).to(ACC)
+    return _round(new_lo, dt), _round(new_hi, dt)
+
+
+@triton.jit
+def silu_times(gate, up, ACC: tl.constexpr):
+    """silu(gate) * up in gate's dtype, silu rounded before the multiply."""
+    g = gate.to(ACC)
+    act = _round(g / (1.0 + tl.exp(-g)), gate.dtype)
+    return _round(act.to(ACC) * up.to(ACC), gate.dtype)
+
+
+@triton.jit
 def _rope_kernel(
     qkv_ptr,
     cos_ptr,
@@ -185,12 +204,9 @@ def _rope_kernel(
     lo_ptrs = qkv_ptr + row * stride_row + heads[:, None] * HEAD_DIM + cols[None, :]
     lo = tl.load(lo_ptrs, mask=mask, other=0.0)
     hi = tl.load(lo_ptrs + half, mask=mask, other=0.0)
-    dt = lo.dtype
-    lo32, hi32 = lo.to(ACC), hi.to(ACC)
-    new_lo = _round(lo32 * cos_lo, dt).to(ACC) + _round(hi32 * sin_lo, dt).to(ACC)
-    new_hi = _round(hi32 * cos_hi, dt).to(ACC) + _round(lo32 * sin_hi, dt).to(ACC)
-    tl.store(lo_ptrs, _round(new_lo, dt), mask=mask)
-    tl.store(lo_ptrs + half, _round(new_hi, dt), mask=mask)
+    new_lo, new_hi = rotate_halves(lo, hi, cos_lo, sin_lo, cos_hi, sin_hi, ACC)
+    tl.store(lo_ptrs, new_lo, mask=mask)
+    tl.store(lo_ptrs + half, new_hi, mask=mask)
 
 
 def rope_qk_(
@@ -221,8 +237,15 @@ def rope_qk_(
         _rope_kernel[(rows, triton.cdiv(rotated, block_h))](
             qkv, cos, signed_sin, qkv.stride(0), cos.stride(0), signed_sin.stride(0), rotated,
             HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_HALF=block_half, ACC=_acc(qkv.dtype),
-            num_warps=4, **_NO_FMA,
+            num_warps=4, **NO_FMA,
         )  # fmt: skip
+    return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[R, (Hq + 2 Hkv) * d] laid out q | k | v -> views q [R, Hq, d], k and v [R, Hkv, d]."""
     kv_cols = num_kv_heads * head_dim
     q, k, v = qkv.split([num_heads * head_dim, kv_cols, kv_cols], dim=1)
     return (
@@ -250,10 +273,7 @@ def _silu_mul_kernel(
     mask = cols < n
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + n + cols, mask=mask, other=0.0)
-    g = gate.to(ACC)
-    act = _round(g / (1.0 + tl.exp(-g)), gate.dtype)
-    out = _round(act.to(ACC) * up.to(ACC), gate.dtype)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up, ACC), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -266,6 +286,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), n,
             BLOCK=block, ACC=_acc(gate_up.dtype), GDC=pdl(gate_up.device), num_warps=4,
-            **_NO_FMA,
+            **NO_FMA,
         )  # fmt: skip
     return out

@@ -14,8 +14,9 @@ q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused
 on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
 `layers.FusesLinears`) and one Triton launch per norm pair, per RoPE and per SwiGLU activation
 (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the projections of
-invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead of cuBLAS
-(docs/benchmarks/layer-kernels.md: 4-6% less GPU time per decode invocation on the H200).
+invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead of cuBLAS, the
+SwiGLU activation done by the gate/up GEMM itself, and RoPE by the q/k/v GEMM for up to 8 rows
+(docs/benchmarks/layer-kernels.md).
 Inference only (no autograd through Triton).
 """
 
@@ -120,15 +121,34 @@ class FusedLayerKernels:
 
 class SkinnyLayerKernels(FusedLayerKernels):
     name = "skinny"
+    # RoPE in the q/k/v GEMM is 1.3 us faster than a separate launch at 1 row, even at 8 and
+    # 3.5 us slower at 16 (docs/benchmarks/decode-sweep.md)
+    rope_max_rows = 8
 
     def __init__(self) -> None:
         super().__init__()
         self.gemm = importlib.import_module("vllm_rlt.kernels.skinny_gemm")
 
+    def _few_rows(self, x: torch.Tensor, max_rows: int | None = None) -> bool:
+        max_rows = self.gemm.MAX_ROWS if max_rows is None else max_rows
+        return x.shape[0] <= max_rows and x.dtype in self.gemm.DTYPES
+
     def linear(self, x, weight):
-        if x.shape[0] <= self.gemm.MAX_ROWS and x.dtype in self.gemm.DTYPES:
+        if self._few_rows(x):
             return self.gemm.skinny_linear(x, weight)
         return nn.functional.linear(x, weight)
+
+    def qkv(self, attn, x, rope):
+        if not (self._few_rows(x, self.rope_max_rows) and self.gemm.rope_fits(attn.head_dim)):
+            return super().qkv(attn, x, rope)
+        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        qkv = self.gemm.skinny_qkv_rope(x, attn.qkv_weight, *rope, *heads)
+        return self.ops.split_qkv(qkv, *heads)
+
+    def swiglu(self, mlp, x):
+        if not self._few_rows(x):
+            return super().swiglu(mlp, x)
+        return self.linear(self.gemm.skinny_swiglu(x, mlp.gate_up_weight), mlp.down_proj.weight)
 
 
 _STRATEGIES = {"torch": TorchLayerKernels, "fused": FusedLayerKernels, "skinny": SkinnyLayerKernels}
