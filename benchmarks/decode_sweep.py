@@ -5,9 +5,12 @@ matrix decodes at.
 GEMM: each projection weight [N, K] exists in 24 copies (one per layer, so the L2 holds none
 of them); a CUDA graph calls the GEMM once per copy and its replay time over 24 is the time per
 call, beside cuBLAS (`torch.nn.functional.linear`) and the weight bytes over the copy bandwidth
-of the same run. Attention: decode rows at one context, fixed split counts (a split covers
-ceil(context / S), aligned to the KV step) against the automatic choice under a CUDA graph sized
-for a 65536-position context (what `paged_attention` picks when `num_splits` is None and
+of the same run (`--gemm-grid` picks the skinny configs: the full grid, a small one, or the
+default alone), and the q/k/v and gate/up projections also with the element-wise op after them
+(RoPE, SwiGLU's activation): separate launches against the few-row GEMM's epilogues.
+Attention: decode rows at one context, fixed split counts (a split covers ceil(context / S),
+aligned to the KV step) against the automatic choice under a CUDA graph sized for a
+65536-position context (what `paged_attention` picks when `num_splits` is None and
 `meta.max_context` is the graph's); `--attention-configs` times decode launch configs at that
 automatic choice.
 
