@@ -12,7 +12,7 @@ Attention: decode rows at one context, fixed split counts (a split covers ceil(c
 aligned to the KV step) against the automatic choice under a CUDA graph sized for a
 65536-position context (what `paged_attention` picks when `num_splits` is None and
 `meta.max_context` is the graph's); `--attention-configs` times decode launch configs at that
-automatic choice.
+automatic choice, or at the count another split policy would give (`--config-policies`).
 
     python -m benchmarks.decode_sweep --out decode-sweep.json
     python -m benchmarks.decode_sweep --skip-gemm --skip-attention --attention-configs --out c.json
@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, graph_us
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.provenance import commit, engine_digest
+from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits
+from vllm_rlt.kernels.device_info import sm_count
 from vllm_rlt.kernels.fused_ops import rope_qk_, silu_mul
 from vllm_rlt.kernels.paged_attention import DECODE_CONFIG, LaunchConfig
 from vllm_rlt.kernels.skinny_gemm import SkinnyConfig, skinny_linear, skinny_qkv_rope, skinny_swiglu
@@ -157,25 +159,38 @@ ATTENTION_CONFIGS = [
 ]
 
 
+# Split policies of a config sweep: "auto", the engine's choice; "fine", the split count of the
+# decode policy forced on every launch (exact: its min_len is the KV step that explicit counts get)
+POLICIES = {"auto": None, "fine": DECODE_SPLITS}
+
+
 def sweep_attention_configs(
-    rep: int, copy_gbps: float, contexts: list[int], rows_list: list[int]
+    rep: int, copy_gbps: float, contexts: list[int], rows_list: list[int], policies: list[str]
 ) -> list[dict]:
-    """Decode launch configs at the engine's automatic splits (a graph-sized grid)."""
+    """Decode launch configs at the split count of each policy for a graph-sized grid."""
     bench, out = Bench(rep), []
-    for ctx, rows in itertools.product(contexts, rows_list):
+    heads = OURO_1_4B["num_key_value_heads"]
+    for ctx, rows, name in itertools.product(contexts, rows_list, policies):
         segs = [(ctx - 1, 1)] * rows
         sets = bench.cases(segs, max_sets=8)
         graph_sets = [(replace(m, max_context=GRAPH_MAX_CONTEXT), q, k, v) for m, q, k, v in sets]
+        policy, splits = POLICIES[name], None
+        if policy is not None:  # the count this policy gives the grid (its min_len is the step)
+            num_sms = sm_count(torch.device("cuda"))
+            splits = choose_num_splits(rows * heads, GRAPH_MAX_CONTEXT, num_sms, policy)
         for cfg in ATTENTION_CONFIGS:
-            us = bench.attention(graph_sets, False, decode_config=cfg)["graph_us"]
-            out.append({"context": ctx, "rows": rows, "config": asdict(cfg), "us": us,
+            kw = {"decode_config": cfg, "num_splits": splits}
+            us = bench.attention(graph_sets, False, **kw)["graph_us"]
+            out.append({"context": ctx, "rows": rows, "policy": name, "num_splits": splits,
+                        "config": asdict(cfg), "us": us,
                         "frac_of_copy": _kv_bytes(segs) / us / 1e3 / copy_gbps})  # fmt: skip
         default = next(
             r for r in out[-len(ATTENTION_CONFIGS) :] if r["config"] == asdict(DECODE_CONFIG)
         )
-        best = _best(out, context=ctx, rows=rows)
-        print(f"decode config ctx {ctx} rows {rows:2d}: default {default['us']:.1f} us, best "
-              f"{best['config']} {best['us']:.1f} us", flush=True)  # fmt: skip
+        best = _best(out, context=ctx, rows=rows, policy=name)
+        print(f"decode config ctx {ctx} rows {rows:2d} policy {name}: default "
+              f"{default['us']:.1f} us, best {best['config']} {best['us']:.1f} us",
+              flush=True)  # fmt: skip
     return out
 
 
@@ -190,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-configs", action="store_true", help="also sweep decode configs")
     p.add_argument("--config-contexts", type=int, nargs="+", default=[512, 768])
     p.add_argument("--config-rows", type=int, nargs="+", default=[1, 8, 16, 32])
+    p.add_argument("--config-policies", nargs="+", choices=sorted(POLICIES), default=["auto"])
     args = p.parse_args(argv)
     ceilings = _ceilings(args.rep)
     res = {"env": _env(), "ceilings": ceilings, "command": sys.argv, "commit": commit(),
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         _write(args.out, res)
     if args.attention_configs:
         res["attention_configs"] = sweep_attention_configs(
-            args.rep, copy_gbps, args.config_contexts, args.config_rows
+            args.rep, copy_gbps, args.config_contexts, args.config_rows, args.config_policies
         )
         _write(args.out, res)
     if not args.skip_gemm:
