@@ -230,11 +230,11 @@ def _launch(
     n_a: int,
     cfg: SkinnyConfig,
     epilogue: tl.constexpr = PLAIN,
-    pair_offset: int = 0,
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """One launch over n_a outputs (paired epilogues: first-of-pair columns, cfg.block_n / 2 of
-    them per program, so that a program streams as many weight rows as a PLAIN one)."""
+    them per program, so that a program streams as many weight rows as a PLAIN one). rope:
+    (cos, signed_sin, rotated columns, head_dim) for ROPE."""
     _check(x, weight)
     m, k = x.shape
     n_w = weight.shape[0]
@@ -247,6 +247,8 @@ def _launch(
     part = torch.empty(splits, m, n_w, device=x.device, dtype=torch.float32) if splits > 1 else out
     counters = _counters(x.device) if splits > 1 else out
     cos, sin, rotated_cols, head_dim = rope if rope else (out, out, 0, 0)
+    # the distance between a pair's rows: gate to up (I), a head's low to high half, or none
+    pair_offset = n_a if epilogue == SWIGLU else head_dim // 2
     gdc = pdl(x.device)
     _skinny_gemm_kernel[(n_blocks, splits)](
         x, weight, out, part, counters, cos, sin, m, n_a, n_w, k, x.stride(0), weight.stride(0),
@@ -277,7 +279,7 @@ def skinny_swiglu(
     bit for bit, in one launch."""
     inter = gate_up.shape[0] // 2
     out = torch.empty(x.shape[0], inter, device=x.device, dtype=x.dtype)
-    return _launch(x, gate_up, out, inter, config or DEFAULT_CONFIG, SWIGLU, inter)
+    return _launch(x, gate_up, out, inter, config or DEFAULT_CONFIG, SWIGLU)
 
 
 def rope_fits(head_dim: int, config: SkinnyConfig | None = None) -> bool:
@@ -310,4 +312,4 @@ def skinny_qkv_rope(
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     rope = (cos, signed_sin, (num_heads + num_kv_heads) * head_dim, head_dim)
     # first blocks: the low halves of the heads
-    return _launch(x, qkv_weight, out, n // 2, cfg, ROPE, head_dim // 2, rope)
+    return _launch(x, qkv_weight, out, n // 2, cfg, ROPE, rope)
