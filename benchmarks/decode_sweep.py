@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, graph_us
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.provenance import commit, engine_digest
-from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits
+from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, SPLITS, choose_num_splits
 from vllm_rlt.kernels.device_info import sm_count
 from vllm_rlt.kernels.fused_ops import rope_qk_, silu_mul
 from vllm_rlt.kernels.paged_attention import DECODE_CONFIG, LaunchConfig
@@ -159,9 +159,11 @@ ATTENTION_CONFIGS = [
 ]
 
 
-# Split policies of a config sweep: "auto", the engine's choice; "fine", the split count of the
-# decode policy forced on every launch (exact: its min_len is the KV step that explicit counts get)
-POLICIES = {"auto": None, "fine": DECODE_SPLITS}
+# Split policies of a config sweep: "auto", the engine's choice; "fine" and "general", the split
+# count of the decode or the general policy forced on every launch (exact for "fine": its min_len
+# is the KV step that explicit counts get; "general" splits evenly where the engine's pieces are
+# >= 256 positions)
+POLICIES = {"auto": None, "fine": DECODE_SPLITS, "general": SPLITS}
 
 
 def sweep_attention_configs(

@@ -21,7 +21,13 @@ from vllm_rlt.attention.metadata import AttentionMetadata, build_attention_metad
 from vllm_rlt.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from vllm_rlt.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from vllm_rlt.kernels import attention_splits as splits  # noqa: E402
-from vllm_rlt.kernels.paged_attention import LaunchConfig, paged_attention  # noqa: E402
+from vllm_rlt.kernels.paged_attention import (  # noqa: E402
+    DECODE_CONFIG,
+    DECODE_CONFIGS_BY_FILL,
+    LaunchConfig,
+    decode_config_for,
+    paged_attention,
+)
 
 # Segments as (first position, rows): prefill chunks of 37, 16, 3 and 1 rows at several depths,
 # then decode rows at scattered positions. Each segment gets its own table (its own plane).
@@ -229,15 +235,34 @@ def test_a_grid_sized_for_longer_contexts_splits_each_tile_by_its_own(
 
 
 def test_few_decode_rows_split_finer_than_other_launches():
-    """On 132 SMs with 16 KV heads: 1-8 decode rows get ~2 programs per SM in 128-position
-    splits; 16 decode rows, and any launch with prefill tiles, the general policy."""
-    one, eight, sixteen = (splits.split_policy(rows * 16, True, 132) for rows in (1, 8, 16))
-    assert one == eight == splits.DECODE_SPLITS and sixteen == splits.SPLITS
+    """On 132 SMs with 16 KV heads: 1-33 decode rows (at most 4 programs per SM) get ~2
+    programs per SM in 128-position splits; 34 decode rows, and any launch with prefill tiles,
+    the general policy."""
+    policies = [splits.split_policy(rows * 16, True, 132) for rows in (1, 8, 16, 32, 33, 34)]
+    assert policies == [splits.DECODE_SPLITS] * 5 + [splits.SPLITS]
     assert splits.split_policy(16, False, 132) == splits.SPLITS
+    assert splits.choose_num_splits(16 * 16, 65536, 132, splits.DECODE_SPLITS) == 2
+    assert splits.choose_num_splits(32 * 16, 65536, 132, splits.DECODE_SPLITS) == 1
     assert splits.choose_num_splits(16, 65536, 132, splits.DECODE_SPLITS) == 17
     assert splits.choose_num_splits(128, 65536, 132, splits.DECODE_SPLITS) == 3
     assert splits.choose_num_splits(256, 65536, 132, splits.SPLITS) == 5
     assert splits.choose_num_splits(256, 512, 132, splits.SPLITS) == 2  # >= 256 positions each
+
+
+@pytest.mark.parametrize("num_sms,rows", [(4, 1), (2, 1), (2, 2), (2, 3)])
+def test_decode_configs_by_grid_fill(monkeypatch, num_sms: int, rows: int) -> None:
+    """bf16 decode-only launches take their launch config from the programs per SM before
+    splitting (4 KV heads: 1 program per SM keeps DECODE_CONFIG, 2 and 4 take the fine config,
+    6 DECODE_CONFIG again), and each config matches the reference; launches with prefill tiles
+    keep DECODE_CONFIG."""
+    monkeypatch.setattr("vllm_rlt.kernels.paged_attention.sm_count", lambda device: num_sms)
+    fill = rows * 4 / num_sms
+    fine = dict(DECODE_CONFIGS_BY_FILL)[splits.FINE_MAX_FILL]
+    assert decode_config_for(rows * 4, True, num_sms) == (fine if 1 < fill <= 4 else DECODE_CONFIG)
+    assert decode_config_for(rows * 4, False, num_sms) == DECODE_CONFIG
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    segs = [(300 + 37 * i, 1) for i in range(rows)]
+    _check(_make_case(segs, 4, 4, 16, 16, torch.bfloat16, device, seed=30 + rows), BF16_TOL)
 
 
 def test_kv_write() -> None:

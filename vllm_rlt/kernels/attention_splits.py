@@ -14,10 +14,11 @@ import triton
 
 
 # Automatic KV splits: split until the grid holds about `programs_per_sm` programs per SM, each
-# split at least `min_len` positions long. Decode-only launches of at most one program per SM
-# before splitting (up to 8 rows of Ouro-1.4B's 16 heads on an H200) split finer: at 512-1024
-# positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per SM, while
-# 16 and 32 rows mostly do better with the general policy (docs/benchmarks/decode-sweep.md).
+# split at least `min_len` positions long. Decode-only launches of at most FINE_MAX_FILL programs
+# per SM before splitting (up to 32 rows of Ouro-1.4B's 16 heads on an H200) split finer: at
+# 512-1024 positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per
+# SM, and 16-32 rows 5-15% faster with it and their own launch configs (2 splits at 16 rows, none
+# at 32: `paged_attention.decode_config_for`; docs/benchmarks/decode-sweep.md).
 @dataclass(frozen=True)
 class SplitPolicy:
     programs_per_sm: int
@@ -27,11 +28,12 @@ class SplitPolicy:
 SPLITS = SplitPolicy(programs_per_sm=8, min_len=256)
 DECODE_SPLITS = SplitPolicy(programs_per_sm=2, min_len=128)
 MAX_SPLITS = 64
+FINE_MAX_FILL = 4  # programs per SM before splitting up to which decode-only launches split finer
 
 
 def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPolicy:
     """The split policy of a launch of `num_programs` (tiles x KV heads) before splitting."""
-    return DECODE_SPLITS if decode_only and num_programs <= num_sms else SPLITS
+    return DECODE_SPLITS if decode_only and num_programs <= FINE_MAX_FILL * num_sms else SPLITS
 
 
 def choose_num_splits(

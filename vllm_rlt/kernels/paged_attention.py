@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.kernels.attention_splits import choose_num_splits, split_policy
+from vllm_rlt.kernels.attention_splits import FINE_MAX_FILL, choose_num_splits, split_policy
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import pdl, release_dependents
 
@@ -44,6 +44,14 @@ class LaunchConfig:
 
 # Chosen from the H200 sweep in docs/benchmarks/attention-microbench.md.
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=True)
+# Decode-only launches by grid size before splitting, up to this many programs per SM (at most
+# FINE_MAX_FILL, the launches that split finer): above one per SM (9-32 rows of Ouro-1.4B's 16
+# heads) KV steps of 64 with 2 stages, 4-14% faster at 512-4096 positions on the H200
+# (docs/benchmarks/decode-sweep.md).
+DECODE_CONFIGS_BY_FILL = (
+    (1, DECODE_CONFIG),
+    (FINE_MAX_FILL, LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)),
+)
 CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x heads < 64
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
@@ -321,6 +329,16 @@ def _launch_class(
     )  # fmt: skip
 
 
+def decode_config_for(num_programs: int, decode_only: bool, num_sms: int) -> LaunchConfig:
+    """The decode tiles' launch config of a launch of `num_programs` (tiles x KV heads) before
+    splitting; launches with prefill tiles keep DECODE_CONFIG."""
+    if decode_only:
+        for fill, cfg in DECODE_CONFIGS_BY_FILL:
+            if num_programs <= fill * num_sms:
+                return cfg
+    return DECODE_CONFIG
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -351,8 +369,12 @@ def paged_attention(
     num_one = meta.num_one_row_tiles
     fp32 = q.dtype in (torch.float32, torch.float64)  # exactness runs: ieee dots, short steps
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if decode_config is None:
-        decode_config = replace(DECODE_CONFIG, block_n=FP32_BLOCK_N) if fp32 else DECODE_CONFIG
+    programs, num_sms = num_tiles * num_kv_heads, sm_count(q.device)
+    decode_only = num_one == num_tiles
+    if decode_config is None and fp32:
+        decode_config = replace(DECODE_CONFIG, block_n=FP32_BLOCK_N)
+    elif decode_config is None:
+        decode_config = decode_config_for(programs, decode_only, num_sms)
     if chunk_config is None:
         big = triton.next_power_of_2(meta.max_tile_rows) * triton.next_power_of_2(group) >= 64
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
@@ -360,8 +382,7 @@ def paged_attention(
     block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
     min_split_len = block_n
     if num_splits is None:
-        programs, num_sms = num_tiles * num_kv_heads, sm_count(q.device)
-        policy = split_policy(programs, num_one == num_tiles, num_sms)
+        policy = split_policy(programs, decode_only, num_sms)
         num_splits = choose_num_splits(programs, meta.max_context, num_sms, policy)
         min_split_len = triton.cdiv(policy.min_len, block_n) * block_n
 
