@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from vllm_rlt.kernels import fused_ops, skinny_gemm
+from vllm_rlt.kernels.kv_write import write_kv_cache
 from vllm_rlt.kernels.skinny_gemm import SkinnyConfig
 from vllm_rlt.models.layers import RotaryEmbedding
 
@@ -103,6 +104,34 @@ def test_the_rope_epilogue_is_rope_of_the_gemm(device, dtype, config, heads, hea
     fused = skinny_gemm.skinny_qkv_rope(x, w, *rope, num_heads, num_kv_heads, head_dim, config)
     assert torch.equal(fused, torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1))
     assert not torch.equal(fused[:, : n // 3], plain[:, : n // 3])  # q really rotated
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, SPLIT_K], ids=["whole-k", "split-k"])
+def test_the_rope_epilogue_also_does_the_kv_write(device, dtype, config):
+    """With caches and slots, the q/k/v GEMM stores the rotated k and the v heads where
+    `write_kv_cache` puts them, and touches no other cache slot."""
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    x, w = operands(5, n, 96, dtype, device, seed=6)
+    positions = torch.tensor([3, 9, 40, 0, 77], device=device)
+    rope = RotaryEmbedding(head_dim, 128, 10000.0).to(device).tables(positions, dtype)
+    heads = (num_heads, num_kv_heads, head_dim)
+    shape = (8, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, float("nan"), device=device, dtype=dtype) for _ in range(4)]
+    slots = torch.tensor([13, 2, 30, 7, 21], device=device)
+    expected = skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config)
+    _, k, v = fused_ops.split_qkv(expected, *heads)
+    write_kv_cache(k.contiguous(), v.contiguous(), caches[0], caches[1], slots)
+    kv = (caches[2], caches[3], slots)
+    got = skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config, kv=kv)
+    assert torch.equal(got, expected)
+    for want, cache in zip(caches[:2], caches[2:], strict=True):
+        torch.testing.assert_close(cache, want, rtol=0, atol=0, equal_nan=True)
+    assert caches[2].view(-1, num_kv_heads, head_dim)[slots].isfinite().all()
+    with pytest.raises(ValueError, match="one slot per row"):
+        skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config, kv=(*kv[:2], slots[:3]))
 
 
 def test_rope_epilogue_needs_whole_blocks_per_half_head():

@@ -27,11 +27,13 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """q: [R, Hq, d]; k, v: [R, Hkv, d]; caches: [num_blocks, block_size, Hkv, d].
 
-        Writes k, v at `meta.slot_mapping`, then returns the causal attention output [R, Hq, d]
-        of every row over its plane (positions <= its own), accumulated in fp32.
+        Writes k, v at `meta.slot_mapping` (unless `kv_stored`: the caller stored them there
+        already), then returns the causal attention output [R, Hq, d] of every row over
+        its plane (positions <= its own), accumulated in fp32.
         """
         ...
 

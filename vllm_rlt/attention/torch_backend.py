@@ -24,8 +24,10 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_heads, head_dim = q.shape[1:]
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads

@@ -31,10 +31,12 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         """q: [R, Hq, d]; k, v: [R, Hkv, d]; caches: [num_blocks, block_size, Hkv, d].
 
         Returns [R, Hq, d] in q's dtype (see `AttentionBackend.forward`).
         """
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, num_splits=self.num_splits)

@@ -64,12 +64,15 @@ PLAIN, SWIGLU, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 @triton.jit
 def _epilogue(
     acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok, table_cols,
-    rotate, pair_offset, stride_om, stride_cos, stride_sin, EPILOGUE: tl.constexpr,
+    rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head, cache_ptr, slot_ptr,
+    cache_cols_a, kv_cols, EPILOGUE: tl.constexpr,
 ):  # fmt: skip
     """Round the fp32 sums to the output dtype and finish them. PLAIN stores them; the paired
     epilogues split the tile's interleaved columns into a (even) and b (odd): SWIGLU stores
     silu(a) * b at a's columns; ROPE rotates the halves a | b (when `rotate`: q and k heads) and
-    stores both. Every rounding is the one the separate kernels make."""
+    stores both, a k or v head (`kv_head`, only with the kernel's WRITE_KV) also at each row's
+    slot of its cache (slots of kv_cols elements, a at cache_cols_a). Every rounding is the one
+    the separate kernels make."""
     dt = out_ptr.dtype.element_ty
     rows = offs_m[:, None] * stride_om
     y = _round(acc, dt)
@@ -90,6 +93,11 @@ def _epilogue(
                 sin_hi = tl.load(sin + pair_offset, mask=mask, other=0.0).to(tl.float32)
                 a, b = rotate_halves(a, b, cos_lo, sin_lo, cos_hi, sin_hi, tl.float32)
             tl.store(out_ptr + rows + pair_offset + cols_a[None, :], b, mask=mask)
+            if kv_head:  # the KV write's stores, of the same values
+                slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+                dst = cache_ptr + slot[:, None] * kv_cols + cache_cols_a[None, :]
+                tl.store(dst, a, mask=mask)
+                tl.store(dst + pair_offset, b, mask=mask)
         tl.store(out_ptr + rows + cols_a[None, :], a, mask=mask)
 
 
@@ -102,6 +110,9 @@ def _skinny_gemm_kernel(
     counter_ptr,
     cos_ptr,
     sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     M,
     N,
     N_W,
@@ -114,6 +125,7 @@ def _skinny_gemm_kernel(
     k_per_split,
     pair_offset,
     rotated_cols,
+    kv_cols,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -125,11 +137,13 @@ def _skinny_gemm_kernel(
     GDC: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     """Program (output block, K split) over BLOCK_N weight rows. PLAIN: rows of N outputs.
     SWIGLU and ROPE: BLOCK_N / 2 pairs of rows `pair_offset` apart (interleaved in the tile):
     gate and up rows (pair_offset = I), or the low and high halves of one head's rows
-    (pair_offset = HEAD_DIM / 2; columns below `rotated_cols` are q and k heads, the rest v);
+    (pair_offset = HEAD_DIM / 2; columns below `rotated_cols` are q and k heads, the rest v,
+    and with WRITE_KV the last kv_cols of each are also stored at the rows' cache slots);
     N first-of-pair columns in all. The weight has N_W rows."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -138,6 +152,8 @@ def _skinny_gemm_kernel(
     PAIRS: tl.constexpr = BLOCK_N // 2
     rotate = False
     table_cols = tl.arange(0, PAIRS)
+    kv_head = False  # with WRITE_KV: a k or v head, stored also at cache_ptr, cache_cols_a
+    cache_ptr, cache_cols_a = k_cache_ptr, table_cols
     if EPILOGUE == ROPE:  # a head's low half holds HEAD_DIM / 2 / PAIRS blocks
         per_head: tl.constexpr = HEAD_DIM // 2 // PAIRS
         head_col = (pid_n // per_head) * HEAD_DIM
@@ -145,6 +161,10 @@ def _skinny_gemm_kernel(
         cols_a = head_col + table_cols
         rotate = head_col < rotated_cols
         a_ok = table_cols < HEAD_DIM  # all: N / PAIRS programs cover the low halves exactly
+        if WRITE_KV:  # q | k | v: k heads start kv_cols before rotated_cols
+            kv_head = head_col >= rotated_cols - kv_cols
+            cache_ptr = tl.where(rotate, k_cache_ptr, v_cache_ptr)
+            cache_cols_a = cols_a - tl.where(rotate, rotated_cols - kv_cols, rotated_cols)
     else:
         cols_a = pid_n * PAIRS + tl.arange(0, PAIRS)
         a_ok = cols_a < N
@@ -188,13 +208,15 @@ def _skinny_gemm_kernel(
                 acc += tl.load(part + s * M * N_W, mask=mask, cache_modifier=".cg")
             _epilogue(
                 acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
-                table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, EPILOGUE,
+                table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
+                cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
             )  # fmt: skip
             tl.store(counter_ptr + pid_n, 0)  # zeroed for the next call
     else:
         _epilogue(
             acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
-            table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, EPILOGUE,
+            table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
+            cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
         )  # fmt: skip
 
 
@@ -231,10 +253,12 @@ def _launch(
     cfg: SkinnyConfig,
     epilogue: tl.constexpr = PLAIN,
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One launch over n_a outputs (paired epilogues: first-of-pair columns, cfg.block_n / 2 of
     them per program, so that a program streams as many weight rows as a PLAIN one). rope:
-    (cos, signed_sin, rotated columns, head_dim) for ROPE."""
+    (cos, signed_sin, rotated columns, head_dim) for ROPE; kv: (k_cache, v_cache, slots) that
+    ROPE also stores the k and v heads in."""
     _check(x, weight)
     m, k = x.shape
     n_w = weight.shape[0]
@@ -247,16 +271,20 @@ def _launch(
     part = torch.empty(splits, m, n_w, device=x.device, dtype=torch.float32) if splits > 1 else out
     counters = _counters(x.device) if splits > 1 else out
     cos, sin, rotated_cols, head_dim = rope if rope else (out, out, 0, 0)
+    k_cache, v_cache, slots = kv if kv else (out, out, out)
+    kv_cols = k_cache.shape[2] * k_cache.shape[3] if kv else 0
     # the distance between a pair's rows: gate to up (I), a head's low to high half, or none
     pair_offset = n_a if epilogue == SWIGLU else head_dim // 2
     gdc = pdl(x.device)
     _skinny_gemm_kernel[(n_blocks, splits)](
-        x, weight, out, part, counters, cos, sin, m, n_a, n_w, k, x.stride(0), weight.stride(0),
-        out.stride(0), cos.stride(0), sin.stride(0), k_per_split, pair_offset, rotated_cols,
+        x, weight, out, part, counters, cos, sin, k_cache, v_cache, slots, m, n_a, n_w, k,
+        x.stride(0), weight.stride(0), out.stride(0), cos.stride(0), sin.stride(0), k_per_split,
+        pair_offset, rotated_cols, kv_cols,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         LINE=128 // weight.element_size(), PREFETCH_K=PREFETCH_K, GDC=gdc, EPILOGUE=int(epilogue),
-        HEAD_DIM=head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **NO_FMA,
+        HEAD_DIM=head_dim, WRITE_KV=kv is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **NO_FMA,
         **({"launch_pdl": True} if gdc else {}),
     )  # fmt: skip
     return out
@@ -297,10 +325,13 @@ def skinny_qkv_rope(
     num_kv_heads: int,
     head_dim: int,
     config: SkinnyConfig | None = None,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ qkv_weight [(Hq + 2 Hkv) d, K].T with RoPE on the q and k heads:
     `fused_ops.rope_qk_` of `skinny_linear`'s output, bit for bit, in one launch. cos,
-    signed_sin: [M, 1, d] or [M, d] in x's dtype (`RotaryEmbedding.tables`). Returns [M, N]."""
+    signed_sin: [M, 1, d] or [M, d] in x's dtype (`RotaryEmbedding.tables`). Returns [M, N].
+    kv: (k_cache, v_cache, slot_mapping [M]) with caches [num_blocks, block_size, Hkv, d] in x's
+    dtype: also does `kv_write.write_kv_cache` of the rotated k and the v heads."""
     cfg = config or DEFAULT_CONFIG
     n = qkv_weight.shape[0]
     if not rope_fits(head_dim, cfg) or n != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -309,7 +340,16 @@ def skinny_qkv_rope(
         raise ValueError("the RoPE tables must be in x's dtype")
     if cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
         raise ValueError("the RoPE tables must be contiguous along head_dim")
+    if kv is not None:
+        k_cache, v_cache, slots = kv
+        shape = (num_kv_heads, head_dim)
+        for c in (k_cache, v_cache):
+            if c.dtype != x.dtype or tuple(c.shape[2:]) != shape or not c.is_contiguous():
+                raise ValueError(f"KV caches must be contiguous [blocks, block_size, {shape}] "
+                                 f"in {x.dtype}, got {tuple(c.shape)} {c.dtype}")  # fmt: skip
+        if slots.shape != (x.shape[0],):
+            raise ValueError(f"slot_mapping must hold one slot per row, got {tuple(slots.shape)}")
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     rope = (cos, signed_sin, (num_heads + num_kv_heads) * head_dim, head_dim)
     # first blocks: the low halves of the heads
-    return _launch(x, qkv_weight, out, n // 2, cfg, ROPE, rope)
+    return _launch(x, qkv_weight, out, n // 2, cfg, ROPE, rope, kv)

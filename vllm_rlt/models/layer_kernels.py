@@ -5,7 +5,9 @@ A model calls four operations per layer through one of these strategies:
 - `norm(x, norm)`: an RMSNorm;
 - `add_norm(h, y, norm_a, norm_b)`: the sandwich residual step `h + norm_a(y)` and the norm after
   it, returning both;
-- `qkv(attn, x, rope)`: q, k, v [R, heads, d] of a block input, q and k rotated;
+- `qkv(attn, x, rope, kv)`: q, k, v [R, heads, d] of a block input, q and k rotated, and
+  whether it also wrote k and v into the KV cache `kv` (the attention backend writes them
+  otherwise);
 - `swiglu(mlp, x)`: the MLP;
 - `out_proj(attn, x)`: attention's output projection.
 
@@ -15,8 +17,8 @@ on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
 `layers.FusesLinears`) and one Triton launch per norm pair, per RoPE and per SwiGLU activation
 (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the projections of
 invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead of cuBLAS, the
-SwiGLU activation done by the gate/up GEMM itself, and RoPE by the q/k/v GEMM for up to 8 rows
-(docs/benchmarks/layer-kernels.md).
+SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by the q/k/v GEMM
+for up to 8 rows (docs/benchmarks/layer-kernels.md).
 Inference only (no autograd through Triton).
 """
 
@@ -31,6 +33,8 @@ from torch import nn
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
 
 LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
+# where a layer's k and v go: (k_cache, v_cache [num_blocks, block_size, Hkv, d], slots [R])
+KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class LayerKernels(Protocol):
@@ -47,10 +51,10 @@ class LayerKernels(Protocol):
         ...
 
     def qkv(
-        self, attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [R, H]; rope: `RotaryEmbedding.tables` -> rotated q [R, Hq, d] and k, and v
-        [R, Hkv, d]."""
+        self, attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, ...], kv: KVTarget
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """x: [R, H]; rope: `RotaryEmbedding.tables` -> rotated q [R, Hq, d] and k, v
+        [R, Hkv, d], and whether k and v are already stored in kv's caches at its slots."""
         ...
 
     def swiglu(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -72,12 +76,12 @@ class TorchLayerKernels:
         out = h + norm_a(y)
         return out, norm_b(out)
 
-    def qkv(self, attn, x, rope):
+    def qkv(self, attn, x, rope, kv):
         rows = x.shape[0]
         q = attn.q_proj(x).view(rows, attn.num_heads, attn.head_dim)
         k = attn.k_proj(x).view(rows, attn.num_kv_heads, attn.head_dim)
         v = attn.v_proj(x).view(rows, attn.num_kv_heads, attn.head_dim)
-        return RotaryEmbedding.apply(rope, q), RotaryEmbedding.apply(rope, k), v
+        return RotaryEmbedding.apply(rope, q), RotaryEmbedding.apply(rope, k), v, False
 
     def swiglu(self, mlp, x):
         return mlp(x)
@@ -104,12 +108,11 @@ class FusedLayerKernels:
         """x [R, K] @ weight [N, K].T: every projection of the layer."""
         return nn.functional.linear(x, weight)
 
-    def qkv(self, attn, x, rope):
+    def qkv(self, attn, x, rope, kv):
         qkv = self.linear(x, attn.qkv_weight)
         cos, signed_sin = rope
-        return self.ops.rope_qk_(
-            qkv, cos, signed_sin, attn.num_heads, attn.num_kv_heads, attn.head_dim
-        )
+        heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return *self.ops.rope_qk_(qkv, cos, signed_sin, *heads), False
 
     def swiglu(self, mlp, x):
         gate_up = self.linear(x, mlp.gate_up_weight)
@@ -138,12 +141,12 @@ class SkinnyLayerKernels(FusedLayerKernels):
             return self.gemm.skinny_linear(x, weight)
         return nn.functional.linear(x, weight)
 
-    def qkv(self, attn, x, rope):
+    def qkv(self, attn, x, rope, kv):
         if not (self._few_rows(x, self.rope_max_rows) and self.gemm.rope_fits(attn.head_dim)):
-            return super().qkv(attn, x, rope)
+            return super().qkv(attn, x, rope, kv)
         heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        qkv = self.gemm.skinny_qkv_rope(x, attn.qkv_weight, *rope, *heads)
-        return self.ops.split_qkv(qkv, *heads)
+        qkv = self.gemm.skinny_qkv_rope(x, attn.qkv_weight, *rope, *heads, kv=kv)
+        return *self.ops.split_qkv(qkv, *heads), True
 
     def swiglu(self, mlp, x):
         if not self._few_rows(x):

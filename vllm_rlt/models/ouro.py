@@ -131,8 +131,8 @@ class OuroAttention(FusesLinears):
         kernels: LayerKernels,
     ) -> torch.Tensor:
         """x: [R, H] normed block input; rope: this invocation's `RotaryEmbedding.tables`."""
-        q, k, v = kernels.qkv(self, x, rope)
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta)
+        q, k, v, written = kernels.qkv(self, x, rope, (k_cache, v_cache, meta.slot_mapping))
+        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, kv_stored=written)
         return kernels.out_proj(self, out.reshape(x.shape[0], -1))
 
 
