@@ -13,9 +13,10 @@ to 16 for `tl.dot` (the padding costs no memory traffic: x is tiny).
 
 Two epilogues fold the element-wise op after a projection into it: `skinny_swiglu` (SwiGLU's
 silu(gate) * up from the fused gate/up weight) and `skinny_qkv_rope` (RoPE on the q and k heads
-of the fused q/k/v weight). A program then streams pairs of weight rows (gate and up row j, or
-columns j and j + d/2 of one head), interleaved in its tile, and finishes each pair with the
-roundings of the separate kernels (`fused_ops`): the results are the same bits.
+of the fused q/k/v weight, and optionally the KV write of the k and v heads). A program then
+streams pairs of weight rows (gate and up row j, or columns j and j + d/2 of one head),
+interleaved in its tile, and finishes each pair with the roundings of the separate kernels
+(`fused_ops`, `kv_write`): the results are the same bits.
 
 On Hopper GPUs the kernel is launched early (programmatic dependent launch, `pdl.py`): while the
 kernel that produces x finishes, each program pulls its first PREFETCH_K weight columns into the
