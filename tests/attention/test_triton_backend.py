@@ -23,7 +23,7 @@ from vllm_rlt.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 from vllm_rlt.kernels import attention_splits as splits  # noqa: E402
 from vllm_rlt.kernels.paged_attention import (  # noqa: E402
     DECODE_CONFIG,
-    DECODE_CONFIGS_BY_FILL,
+    FINE_DECODE_CONFIG,
     LaunchConfig,
     decode_config_for,
     paged_attention,
@@ -257,7 +257,7 @@ def test_decode_configs_by_grid_fill(monkeypatch, num_sms: int, rows: int) -> No
     keep DECODE_CONFIG."""
     monkeypatch.setattr("vllm_rlt.kernels.paged_attention.sm_count", lambda device: num_sms)
     fill = rows * 4 / num_sms
-    fine = dict(DECODE_CONFIGS_BY_FILL)[splits.FINE_MAX_FILL]
+    fine = FINE_DECODE_CONFIG
     assert decode_config_for(rows * 4, True, num_sms) == (fine if 1 < fill <= 4 else DECODE_CONFIG)
     assert decode_config_for(rows * 4, False, num_sms) == DECODE_CONFIG
     device = "cuda" if torch.cuda.is_available() else "cpu"

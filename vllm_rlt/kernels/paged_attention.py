@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.kernels.attention_splits import FINE_MAX_FILL, choose_num_splits, split_policy
+from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits, split_policy
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import pdl, release_dependents
 
@@ -44,14 +44,10 @@ class LaunchConfig:
 
 # Chosen from the H200 sweep in docs/benchmarks/attention-microbench.md.
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=True)
-# Decode-only launches by grid size before splitting, up to this many programs per SM (at most
-# FINE_MAX_FILL, the launches that split finer): above one per SM (9-32 rows of Ouro-1.4B's 16
-# heads) KV steps of 64 with 2 stages, 4-14% faster at 512-4096 positions on the H200
-# (docs/benchmarks/decode-sweep.md).
-DECODE_CONFIGS_BY_FILL = (
-    (1, DECODE_CONFIG),
-    (FINE_MAX_FILL, LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)),
-)
+# Decode-only launches that split finer (`split_policy`) with more than one program per SM
+# before splitting (9-32 rows of Ouro-1.4B's 16 heads): KV steps of 64 with 2 stages, 4-14%
+# faster at 512-4096 positions on the H200 (docs/benchmarks/decode-sweep.md).
+FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)
 CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x heads < 64
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
@@ -332,11 +328,8 @@ def _launch_class(
 def decode_config_for(num_programs: int, decode_only: bool, num_sms: int) -> LaunchConfig:
     """The decode tiles' launch config of a launch of `num_programs` (tiles x KV heads) before
     splitting; launches with prefill tiles keep DECODE_CONFIG."""
-    if decode_only:
-        for fill, cfg in DECODE_CONFIGS_BY_FILL:
-            if num_programs <= fill * num_sms:
-                return cfg
-    return DECODE_CONFIG
+    fine = split_policy(num_programs, decode_only, num_sms) is DECODE_SPLITS
+    return FINE_DECODE_CONFIG if fine and num_programs > num_sms else DECODE_CONFIG
 
 
 def paged_attention(
