@@ -16,6 +16,7 @@ import torch
 from tests.engine.harness import compare, kv_all_free, make_engine, random_jobs, run_batched
 from tests.helpers import GQA, rel_err, tiny_model
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.kernels import pdl
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner
 from vllm_rlt.worker.graph_tables import GraphSpec, graph_specs
@@ -62,10 +63,10 @@ def random_segments(rng: random.Random) -> list[Segment]:
     return segments
 
 
-def _setup(segments, backend: str, device: str = "cpu", dtype=torch.float32):
+def _setup(segments, backend: str, device: str = "cpu", dtype=torch.float32, **overrides):
     """An executor whose cache holds random KV (every position a row may read) and room for
     the segments, and random input rows [R, H]."""
-    model = tiny_model(seed=3, backend=backend, device=device, dtype=dtype, **GQA)
+    model = tiny_model(seed=3, backend=backend, device=device, dtype=dtype, **GQA, **overrides)
     ex = PagedExecutor.create(model, num_blocks=512, block_size=BLOCK_SIZE)
     ends = {}
     for s in segments:
@@ -260,6 +261,40 @@ def test_gpu_graph_replay_equals_eager(dtype, tol):
         ex.kv_cache.kv[:, :, scratch] = kv_eager[:, :, scratch]
         assert rel_err(ex.kv_cache.kv, kv_eager) < tol
     assert GraphSpec(100, 50) in used and GraphSpec(4, 0) in used and len(used) >= 4
+
+
+@pytest.mark.gpu
+def test_gpu_early_launches_read_what_the_kernel_before_wrote(monkeypatch):
+    """With early launch (programmatic dependent launch) a layer's kernels start while the one
+    before them runs and wait before they read its output or write. Graph replays with it equal
+    graphs captured without it bit for bit (a read ahead of its producer would see the previous
+    replay's values), and each other. Decode invocations (few-row GEMMs with the RoPE and
+    KV-write epilogue) and mixed ones; outputs, gates and KV. The scratch block is left out: the
+    padding rows all write its slot 0, in any order, with or without early launch."""
+    if not pdl.pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    cases = [DECODE, MIXED, DECODE[:1], *(random_segments(random.Random(s)) for s in range(3))]
+    segments = [s for case in cases for s in case]
+    ex, _ = _setup(segments, "triton", "cuda", torch.bfloat16, head_dim=32)
+    kv_before = ex.kv_cache.kv.clone()
+    early = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, 1024)
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    plain = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, 1024)
+    gen = torch.Generator(device="cpu").manual_seed(4)
+    differ = []
+    for i, segments in enumerate(cases):
+        rows = sum(s.num_tokens for s in segments)
+        hidden = torch.randn(rows, ex.model.config.hidden_size, generator=gen).to("cuda")
+        results = []
+        for graphs in (plain, early, early):
+            ex.kv_cache.kv.copy_(kv_before)
+            _, out, gate = _static_call(ex, graphs, segments, hidden.bfloat16())
+            kv = ex.kv_cache.kv.clone()
+            kv[:, :, ex.kv_cache.scratch_block] = 0
+            results.append((out.clone(), gate.clone(), kv))
+        for name, without, *replays in zip(("out", "gate", "kv"), *results, strict=True):
+            differ += [(i, name, r) for r, x in enumerate(replays) if not torch.equal(x, without)]
+    assert not differ, f"(case, output, replay) unlike the graph without early launch: {differ}"
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
-from vllm_rlt.kernels.pdl import pdl, release_dependents
+from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
 
 NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
 # The interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even): round by hand there.
@@ -93,20 +93,24 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # no kernel writes the weights
+    w2 = tl.load(w2_ptr + cols, mask=mask & RESIDUAL, other=0.0)
+    wait_for_primary(GDC)  # x (and the residual) come from kernels before this one
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    y = _rms(x, tl.load(w_ptr + cols, mask=mask, other=0.0), EPS, n, ACC)
+    y = _rms(x, w, EPS, n, ACC)
     if RESIDUAL:
         h = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         s = _round(h.to(ACC) + y.to(ACC), h.dtype)
         tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
-        y = _rms(s, tl.load(w2_ptr + cols, mask=mask, other=0.0), EPS2, n, ACC)
+        y = _rms(s, w2, EPS2, n, ACC)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
 def _norm_launch(x: torch.Tensor) -> dict:
     block = triton.next_power_of_2(x.shape[1])
     warps = 4 if block <= 1024 else 8
-    return {"BLOCK": block, "num_warps": warps, "GDC": pdl(x.device), **NO_FMA}
+    gdc = pdl(x.device)
+    return {"BLOCK": block, "num_warps": warps, "GDC": gdc, **NO_FMA, **launch_options(gdc)}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ import triton.language as tl
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits, split_policy
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
-from vllm_rlt.kernels.pdl import pdl, release_dependents
+from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
 
 _LOG2E = 1.4426950408889634
 
@@ -192,9 +192,12 @@ def _paged_attention_kernel(
     F64: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    release_dependents(GDC)  # the output projection may start streaming its weights
-    tile = tl.load(tile_ids_ptr + tl.program_id(0))
+    release_dependents(GDC)  # the combine or the output projection may start
+    tile = tl.load(tile_ids_ptr + tl.program_id(0))  # tables: written before the invocation
     nrows = tl.load(tile_num_rows_ptr + tile)
+    # q and this invocation's K/V come from the kernels before this one; every program waits,
+    # so that this launch (even of padding tiles alone) ends after them
+    wait_for_primary(GDC)
     if nrows == 0:  # a padding tile (CUDA-graph buckets fill fixed grids with them)
         return
     kv_head = tl.program_id(1)
@@ -280,6 +283,7 @@ def _combine_kernel(
     """Merge the splits of one (row, head) (split lengths are its tile's): splits past the row's
     position were not written."""
     release_dependents(GDC)  # the output projection may start streaming its weights
+    wait_for_primary(GDC)  # the partials come from the attention kernel
     row = tl.program_id(0)
     head = tl.program_id(1)
     split_len = tl.load(split_len_ptr + row)
@@ -322,6 +326,7 @@ def _launch_class(
         *common[:7], tile_ids, *common[7:],
         GROUP=group, GROUP_P2=group_p2, BLOCK_MG=block_mg, BLOCK_N=cfg.block_n,
         USE_DOT=use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        **launch_options(constexprs["GDC"]),
     )  # fmt: skip
 
 
@@ -424,6 +429,6 @@ def paged_attention(
             out.stride(1), num_rows,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
             SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4, F64=constexprs["F64"],
-            GDC=constexprs["GDC"],
+            GDC=constexprs["GDC"], **launch_options(constexprs["GDC"]),
         )  # fmt: skip
     return out

@@ -5,7 +5,13 @@ earlier kernel lets it start by calling `release_dependents`; kernels after whic
 launched this way may call it too: it does nothing then.
 
 The few-row GEMM (`skinny_gemm`) uses this to pull its weights (which no kernel writes) into the
-L2 while the norm, activation or attention kernel that produces its input finishes.
+L2 while the norm, activation or attention kernel that produces its input finishes; the RMSNorm
+loads its weights, paged attention its tile's tables, and the split combine simply starts, before
+they wait. The norm, attention and combine kernels let the next one start at once, the GEMM
+once it has read its weights (at once, the next GEMM's programs would take SM slots while it
+streams). A kernel launched early must wait, in every program, before it reads the previous
+kernel's output or writes anything: then a kernel two launches back is complete once the
+previous one is.
 `VLLM_RLT_PDL=0` in the environment turns it off (for comparisons).
 """
 
@@ -27,6 +33,12 @@ def pdl(device: torch.device) -> bool:
     """Whether kernels on `device` may use programmatic dependent launch."""
     cuda = device.type == "cuda" and ENABLED and not INTERPRET
     return cuda and _capability_major(device) >= 9
+
+
+def launch_options(gdc: bool) -> dict:
+    """Launch keywords of a kernel that waits for its primary (`wait_for_primary` on every path
+    before it reads or writes what kernels before it use): an early launch when `gdc`."""
+    return {"launch_pdl": True} if gdc else {}
 
 
 @functools.cache

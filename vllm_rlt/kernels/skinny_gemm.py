@@ -35,7 +35,13 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.fused_ops import NO_FMA, _round, rotate_halves, silu_times
-from vllm_rlt.kernels.pdl import pdl, prefetch_l2, wait_for_primary
+from vllm_rlt.kernels.pdl import (
+    launch_options,
+    pdl,
+    prefetch_l2,
+    release_dependents,
+    wait_for_primary,
+)
 
 MAX_ROWS = 16  # rows of x one launch handles (the dot's minimum M)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -196,6 +202,8 @@ def _skinny_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    # the weights are read: the kernel after this one may start (it waits for the outputs)
+    release_dependents(GDC)
     if SPLIT:
         mask = m_ok[:, None] & col_ok[None, :]
         part = part_ptr + offs_m[:, None] * N_W + cols[None, :]  # split 0's partial
@@ -286,7 +294,7 @@ def _launch(
         LINE=128 // weight.element_size(), PREFETCH_K=PREFETCH_K, GDC=gdc, EPILOGUE=int(epilogue),
         HEAD_DIM=head_dim, WRITE_KV=kv is not None, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **NO_FMA,
-        **({"launch_pdl": True} if gdc else {}),
+        **launch_options(gdc),
     )  # fmt: skip
     return out
 
