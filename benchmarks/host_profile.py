@@ -2,11 +2,14 @@
 
 The synchronous engine (`LLMEngine.step`) runs the cell's requests (all queued at once;
 `max_num_seqs` admits 8 at a time, as the matrix's concurrency cap does) on the real model shape
-with dummy weights. Every step's three phases are timed: `schedule` (the scheduler's batch),
-`execute` (the runner: metadata, uploads, graph replays or launches, and the wait for the sampled
-tokens) and `update` (scheduler and output processing). A second run of each mode under cProfile
-gives the time the host spent waiting for the GPU (`synchronize` calls) and the functions with
-the most own time (cProfile slows Python code down, so its absolute times run high).
+with dummy weights. Every step's phases are timed: `schedule` (the scheduler's batch), `execute`
+(the runner: metadata, uploads, graph replays or launches, the wait for gate logits an exit
+decision needs), `advance` (the scheduler's loop bookkeeping) and `read` (the wait for sampled
+tokens, the scheduler's stop checks and output processing: the previous step's tokens with async
+scheduling, the engine's default; the first step reads none). A second run of each mode under
+cProfile gives the time the host spent waiting for the GPU (`synchronize` calls) and the
+functions with the most own time (cProfile slows Python code down, so its absolute times run
+high).
 
     python -m benchmarks.host_profile --chunk 128 --inputs fixed --out host.json
 """
@@ -28,13 +31,18 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.workload import build_workload
-from benchmarks.wcpb_matrix import INPUTS, cell_config, release_device_memory
+from benchmarks.wcpb_matrix import (
+    INPUTS,
+    add_async_scheduling_flag,
+    cell_config,
+    release_device_memory,
+)
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.sampling_params import SamplingParams
 
 PHASES = {"schedule": ("scheduler", "schedule"), "execute": ("runner", "execute"),
-          "update": ("scheduler", "update")}  # fmt: skip
+          "advance": ("scheduler", "advance"), "read": (None, "_read_tokens")}  # fmt: skip
 
 
 def _timed(fn, times: list[float]):
@@ -66,7 +74,7 @@ def run_mode(loaded, args, mode: str, profiled: bool) -> dict:
         engine.generate_all()
         _sync()
         for name, (owner, method) in PHASES.items():
-            obj = getattr(engine, owner)
+            obj = engine if owner is None else getattr(engine, owner)
             setattr(obj, method, _timed(getattr(obj, method), times[name]))
         for i, spec in enumerate(wl.requests):
             engine.add_request(str(i), spec.prompt_token_ids, params)
@@ -106,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--wcpb-cap", type=int, default=256, help="prefill rows beside decode rows")
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
+    add_async_scheduling_flag(p)
     args = p.parse_args(argv)
     path = write_shape(args.shape, tempfile.mkdtemp())
     loaded = load_model(path, dtype="bfloat16", load_format="dummy")

@@ -25,6 +25,7 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.metrics import device_time_by_name, gpu_busy_seconds
+from benchmarks.wcpb_matrix import add_async_scheduling_flag
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             exit_threshold=1.0,
             kv_cache_memory_gb=args.kv_cache_gb,
             enforce_eager=args.enforce_eager,
+            async_scheduling=args.async_scheduling,
         )
     )
     rng = np.random.default_rng(0)
@@ -151,6 +153,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     p.add_argument("--profile-steps", type=int, default=40)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager runner)")
+    add_async_scheduling_flag(p)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -80,10 +80,20 @@ METRICS = [
 BUSY = "GPU busy"  # from the profiled rounds
 
 
+def add_async_scheduling_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's async scheduling (default on, as in the engine)",
+    )
+
+
 def cell_config(args, chunk: int, mode: str) -> EngineConfig:
     """The engine config of a matrix mode at chunk size `chunk` (`args`: max_num_seqs,
-    max_num_batched_tokens, kv_cache_gb, wcpb_cap); fixed depth."""
+    max_num_batched_tokens, kv_cache_gb, wcpb_cap, async_scheduling); fixed depth."""
     return EngineConfig.from_kwargs(
+        async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=chunk,
@@ -291,6 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(DEFAULT_MODES))
     p.add_argument("--wcpb-cap", type=int, default=256, help="prefill rows beside decode rows")
+    add_async_scheduling_flag(p)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
     args = p.parse_args(argv)
     smoke = {}

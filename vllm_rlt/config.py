@@ -97,6 +97,12 @@ class SchedulerConfig:
         "long (default: no limit)",
         default=None,
     )
+    async_scheduling: bool = _help(
+        "schedule and queue each step before the tokens of the one before are read back, so "
+        "the GPU does not idle while the host prepares a step (a step's outputs come with the "
+        "next step)",
+        default=True,
+    )
     max_prefill_rows_with_decode: int | None = _help(
         "latency rule: an invocation that carries decode rows takes at most this many prefill "
         "rows (default: whatever budget the decode rows leave)",

@@ -66,6 +66,9 @@ class Request:
     # decode progress
     decode: DecodeToken | None = None  # the token currently looping
     ready_loops: int | None = None  # a state awaits the coda; it came from this many loops
+    # tokens sampled on the device whose ids the host has not read yet (async scheduling reads
+    # them one step later): their exit depths, oldest first
+    pending_exit_depths: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_depths: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -76,8 +79,13 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, read back or not."""
+        return len(self.output_token_ids) + len(self.pending_exit_depths)
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_sampled
 
     @property
     def in_prefill(self) -> bool:
@@ -91,4 +99,4 @@ class Request:
     @property
     def is_last_sample(self) -> bool:
         """The next sampled token reaches max_tokens (it is never fed back)."""
-        return len(self.output_token_ids) + 1 >= self.sampling_params.max_tokens
+        return self.num_sampled + 1 >= self.sampling_params.max_tokens

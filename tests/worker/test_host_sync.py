@@ -90,9 +90,9 @@ def test_prefill_steps_replay_mixed_graphs_without_waiting(tmp_path):
 
 @pytest.mark.gpu
 def test_sampling_steps_wait_for_the_sample_not_for_the_invocations(tmp_path):
-    """A step that samples reads back its tokens as soon as they exist: the recurrent-core work
-    queued after the sampling is still running when the step returns."""
-    engine = _cuda_engine(tmp_path)
+    """Synchronous scheduling: a step that samples reads back its tokens as soon as they exist:
+    the recurrent-core work queued after the sampling is still running when the step returns."""
+    engine = _cuda_engine(tmp_path, async_scheduling=False)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, exit_threshold=1.0)
     engine.add_request("a", list(range(1, 40)), params)
     invoke = engine.runner._invoke

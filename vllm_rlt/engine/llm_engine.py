@@ -2,6 +2,13 @@
 
 A step is `schedule -> execute -> update` (ARCHITECTURE.md §3) plus output processing; the
 engine adds validation and bookkeeping around it, never scheduling logic.
+
+With async scheduling (the default) a step queues its work on the device and advances the
+scheduler by its loops, then reads back the tokens the previous step sampled: by then the device
+has long produced them, so the host does not wait, and the next step is scheduled while this one
+runs. A request that stopped on a token is noticed one step late; the work queued for it in
+that step is discarded (its token is never read), and its KV blocks, freed then, are handed out
+only to work queued after it on the same stream.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import torch
 
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.execution_batch import ExecutionBatch
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.engine.output_processor import OutputProcessor
@@ -26,7 +34,7 @@ from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, graphs_supported
 from vllm_rlt.worker.graph_tables import graph_specs
 from vllm_rlt.worker.kv_cache import DeviceKVCache
-from vllm_rlt.worker.model_runner import ModelRunner
+from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
 
 
 class LLMEngine:
@@ -88,6 +96,8 @@ class LLMEngine:
             graphs,
         )
         self.outputs = OutputProcessor(self.tokenizer)
+        # async scheduling: the last step's batch, its tokens not yet read back
+        self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None
         self._seeds = random.Random(mc.seed)  # seeds for requests that give none
         self.stats = EngineStats()
         eos = c.eos_token_id
@@ -182,10 +192,21 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and queue a step; returns the outputs of the tokens read back in it: this
+        step's, or with async scheduling the previous step's."""
         batch = self.scheduler.schedule()
-        result = self.runner.execute(batch)
+        launched = self.runner.execute(batch)
         self.stats.record_batch(batch, self.num_loops)
-        touched = self.scheduler.update(batch, result)
+        self.scheduler.advance(batch, launched.decode_gate_logits)
+        unread, self._unread = self._unread, (batch, launched)
+        if not self.config.scheduler.async_scheduling:
+            unread, self._unread = self._unread, None
+        return self._read_tokens(*unread) if unread is not None else []
+
+    def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
+        if not batch.sample_req_ids:
+            return []
+        touched = self.scheduler.apply_tokens(batch, launched.read_tokens())
         for req in touched:
             self.stats.record_token(req.output_exit_depths[-1])
             hit = self.outputs.process(req)

@@ -1,8 +1,9 @@
 """Command-line flags generated from the config dataclasses, so `--help` is the reference.
 
 Each config field `foo_bar` becomes `--foo-bar` with the field's documented help; booleans become
-switches. `model` is positional in every command and so is not generated. Sampling fields that
-the engine config already sets for every request (seed, exit_threshold) are not repeated.
+switches with a `--no-foo-bar` form. `model` is positional in every command and so is not
+generated. Sampling fields that the engine config already sets for every request (seed,
+exit_threshold) are not repeated.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def _add_fields(parser: argparse.ArgumentParser, cls: type, helps: dict[str, str
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=helps[f.name])
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=helps[f.name]
+            )
             continue
         base = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
         inner = base[0]

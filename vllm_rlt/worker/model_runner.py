@@ -10,6 +10,7 @@ eagerly otherwise. Entering rows' prelude and the scatter of the outputs run out
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,18 @@ class _Mirror:
     num_sampled: int = 0
 
 
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose work is queued on the device: its gate logits (host data: an exit decision
+    needed them) and a callable that waits for its sampled tokens and returns them."""
+
+    decode_gate_logits: tuple[float, ...]
+    read_tokens: Callable[[], dict[str, SampledToken]]
+
+    def wait(self) -> RunnerOutput:
+        return RunnerOutput(sampled=self.read_tokens(), decode_gate_logits=self.decode_gate_logits)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,7 +77,7 @@ class ModelRunner:
         self.reqs: dict[str, _Mirror] = {}
 
     @torch.inference_mode()
-    def execute(self, batch: ExecutionBatch) -> RunnerOutput:
+    def execute(self, batch: ExecutionBatch) -> LaunchedStep:
         self._sync_mirrors(batch)
         if batch.kv_copies:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
@@ -81,9 +94,10 @@ class ModelRunner:
                 break
             if i == 0 and gate_rows:
                 read_gates = gates[gate_rows]
-        # the step's only waits for the GPU: gates an exit decision needs, and sampled tokens
+        # the step's only waits for the GPU: gates an exit decision needs, and (when the caller
+        # asks) sampled tokens
         decode_gates = read_gates.tolist() if read_gates is not None else []
-        return RunnerOutput(sampled=sampled(), decode_gate_logits=tuple(decode_gates))
+        return LaunchedStep(tuple(decode_gates), sampled)
 
     def _sync_mirrors(self, batch: ExecutionBatch) -> None:
         for req_id in batch.finished_req_ids:

@@ -150,25 +150,30 @@ class Scheduler:
 
     def _decode_work(self, budget: int) -> tuple[list[ScheduledRequest], list[str]]:
         """One row per decoding request (the newest token at its next depth), and the requests
-        whose next token is sampled now; no_refill holds samples until the cohort has exited."""
-        decoding = [r for r in self.running if not r.in_prefill]
+        whose next token is sampled now; no_refill holds samples until the cohort has exited.
+        A request whose last token is sampled but not yet read back has no work left."""
+        decoding = [
+            r
+            for r in self.running
+            if not r.in_prefill and (r.decode is not None or r.ready_loops is not None)
+        ]
         cohort_done = all(r.ready_loops is not None for r in decoding)
         hold = self.config.scheduling_mode == "no_refill" and not cohort_done
         tasks, samples = [], []
         for req in decoding:
             if req.ready_loops is not None:
-                if hold:
-                    continue
-                if req.is_last_sample:
-                    samples.append(req.request_id)
-                    continue
-                if len(tasks) >= budget:
+                last = req.is_last_sample
+                if hold or not last and len(tasks) >= budget:
                     continue
                 samples.append(req.request_id)
-                index = len(req.output_token_ids)
-                req.decode = DecodeToken(position=req.num_tokens, index=index)
+                token = DecodeToken(position=req.num_tokens, index=req.num_sampled)
+                req.pending_exit_depths.append(req.ready_loops)
+                req.ready_loops = None
+                if last:
+                    continue
+                req.decode = token
                 self.exit_policy.start(req.decode, req.exit, req.request_id)
-            elif req.decode is None or len(tasks) >= budget:
+            elif len(tasks) >= budget:
                 continue
             tok = req.decode
             reads_gate = self.exit_policy.reads_gate(tok, req.exit)
@@ -209,14 +214,15 @@ class Scheduler:
 
     # ---- update -----------------------------------------------------------------------------
     def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:
-        """Apply a step's results; returns the requests that produced a token or finished."""
-        touched: dict[str, Request] = {}
-        for req_id in batch.sample_req_ids:
-            req = self.requests.get(req_id)
-            if req is not None:
-                self._append_token(req, output.sampled[req_id])
-                touched[req_id] = req
-        gates = iter(output.decode_gate_logits)
+        """Apply a step's results at once (`advance`, then `apply_tokens`)."""
+        self.advance(batch, output.decode_gate_logits)
+        return self.apply_tokens(batch, output.sampled)
+
+    def advance(self, batch: ExecutionBatch, decode_gate_logits: tuple[float, ...]) -> None:
+        """The step's loops: decode tokens' depths and exit decisions (`decode_gate_logits`: of
+        the rows that `reads_gate`, in plan order), prefill progress. Needs no sampled token, so
+        the next step can be scheduled before they are read back."""
+        gates = iter(decode_gate_logits)
         for task in batch.requests:
             if task.kind is not RowKind.DECODE:
                 continue
@@ -228,16 +234,26 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is not None and self.planner.advance(req, tasks, batch.loop_count):
                 req.ready_loops = self.num_loops  # the first token comes from full depth
-        return list(touched.values())
+
+    def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
+        """The tokens `batch` sampled (request_id -> SampledToken), oldest unread first: stop
+        checks; a request that finished meanwhile ignores its later tokens. Returns the requests
+        that got a token."""
+        touched = []
+        for req_id in batch.sample_req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req.pending_exit_depths:
+                self._append_token(req, sampled[req_id])
+                touched.append(req)
+        return touched
 
     def _append_token(self, req: Request, sampled) -> None:
         req.output_token_ids.append(sampled.token_id)
-        req.output_exit_depths.append(req.ready_loops)
+        req.output_exit_depths.append(req.pending_exit_depths.pop(0))
         if req.sampling_params.logprobs is not None:
             req.output_logprobs.append(
                 {sampled.token_id: sampled.logprob, **dict(sampled.top_logprobs)}
             )
-        req.ready_loops = None
         params, tok = req.sampling_params, sampled.token_id
         if not params.ignore_eos and tok in req.eos_token_ids or tok in params.stop_token_ids:
             req.stop_reason = tok
