@@ -5,8 +5,9 @@ engine steps, recurrent-core invocations, rows and CUDA-graph bucket rows it wou
 
 Every request is admitted as soon as `max_num_seqs` allows (the concurrent profile), generates
 `--output-len` tokens at fixed depth, and a stub runner answers each step with token 1. The
-counts explain the matrix's per-invocation measurements: how many steps the host runs, how many
-invocations mix decode rows with prefill rows, and how many padding rows the graph buckets add.
+counts explain the matrix's per-invocation measurements: how many steps the host runs (by the
+kinds of rows they carry and their loop count), how many invocations mix decode rows with
+prefill rows, and how many padding rows the graph buckets add.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
         exits = ExitSettings(1, DEPTH, 1.0)
         sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
     specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens)
-    counts, buckets = Counter(), Counter()
+    counts, buckets, steps = Counter(), Counter(), Counter()
     while sched.has_unfinished():
         batch = sched.schedule()
         counts["steps"] += 1
+        kinds = {t.kind for t in batch.requests}
+        kind = "mixed" if len(kinds) == 2 else kinds.pop().value if kinds else "empty"
+        steps[f"{kind} x{batch.loop_count}"] += 1
         for i in range(batch.loop_count):
             live = batch.live(i, DEPTH)
             if not live:
@@ -64,7 +68,11 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
         tokens = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
         sched.update(batch, RunnerOutput(sampled=tokens, decode_gate_logits=()))
     assert kv.num_free_blocks == kv.num_total_blocks
-    return {**counts, "invocations_by_kind_and_bucket": dict(sorted(buckets.items()))}
+    return {
+        **counts,
+        "steps_by_kind_and_loops": dict(sorted(steps.items())),
+        "invocations_by_kind_and_bucket": dict(sorted(buckets.items())),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -27,3 +27,9 @@ def test_replay_counts_every_mode_running_the_same_rows(tmp_path):
         assert r["bucket_rows"] >= r["rows"]
         assert sum(r["invocations_by_kind_and_bucket"].values()) == r["invocations"]
         assert r["steps"] < r["invocations"]  # decode alone runs its 4 loops in one step (R1)
+        steps = r["steps_by_kind_and_loops"]
+        assert sum(steps.values()) == r["steps"]
+        # every invocation counted: a step's loops (its tasks may drop out earlier, never later)
+        loops = sum(int(k.split(" x")[1]) * n for k, n in steps.items() if not k.startswith("e"))
+        assert loops >= r["invocations"]
+    assert "mixed x1" not in modes["atomic"]["steps_by_kind_and_loops"]
