@@ -198,14 +198,12 @@ class LLMEngine:
         launched = self.runner.execute(batch)
         self.stats.record_batch(batch, self.num_loops)
         self.scheduler.advance(batch, launched.decode_gate_logits)
-        unread, self._unread = self._unread, (batch, launched)
-        if not self.config.scheduler.async_scheduling:
-            unread, self._unread = self._unread, None
-        return self._read_tokens(*unread) if unread is not None else []
+        ready = (batch, launched)
+        if self.config.scheduler.async_scheduling:  # read the previous step's tokens instead
+            ready, self._unread = self._unread, ready
+        return self._read_tokens(*ready) if ready is not None else []
 
     def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
-        if not batch.sample_req_ids:
-            return []
         touched = self.scheduler.apply_tokens(batch, launched.read_tokens())
         for req in touched:
             self.stats.record_token(req.output_exit_depths[-1])

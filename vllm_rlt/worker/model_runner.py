@@ -21,7 +21,6 @@ from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
     RowKind,
-    RunnerOutput,
     SampledToken,
     StateSpan,
 )
@@ -47,9 +46,6 @@ class LaunchedStep:
 
     decode_gate_logits: tuple[float, ...]
     read_tokens: Callable[[], dict[str, SampledToken]]
-
-    def wait(self) -> RunnerOutput:
-        return RunnerOutput(sampled=self.read_tokens(), decode_gate_logits=self.decode_gate_logits)
 
 
 class ModelRunner:
