@@ -2,10 +2,12 @@
 
 The Ouro-1.4B shape (24 layers, hidden 2048, 16 x 128 heads, MLP 5632) with dummy bf16 weights and
 the Triton attention backend runs one loop over R decode rows (R in --rows), each row its own
-sequence at position --context - 1 with that much KV (block size 16, fragmented block tables).
-For each layer path (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs; `fused`: fused
-[q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`; `skinny`: `fused`
-with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`) it reports:
+sequence at position --context - 1 with that much KV (block size 16, fragmented block tables);
+with --chunk C, R / C sequences each run a prefill chunk of C rows ending at that position.
+For each layer path in --paths (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs;
+`fused`: fused [q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`;
+`skinny`: `fused` with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`) it
+reports:
 
 - eager_ms: CUDA events around back-to-back calls after warm-up (host launch cost included);
 - graph_ms: the same invocation captured in a CUDA graph and replayed (GPU time alone);
@@ -38,7 +40,7 @@ import triton
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.serving.metrics import device_time_by_name
-from vllm_rlt.attention.metadata import build_attention_metadata
+from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16
@@ -57,13 +59,19 @@ class LayerKV:
         return self.kv[index, 0], self.kv[index, 1]
 
 
-def decode_case(model, rows: int, context: int, kv: LayerKV, seed: int):
-    """(hidden [rows, H], metadata) for `rows` decode rows at position context - 1."""
+def make_case(model, rows: int, context: int, kv: LayerKV, seed: int, chunk: int = 1):
+    """(hidden [rows, H], metadata) for rows // chunk sequences, each a segment of `chunk` rows
+    at positions context - chunk .. context - 1 (chunk 1: decode rows; more: prefill chunks,
+    tiled as the engine tiles them)."""
+    if rows % chunk or chunk > context:
+        raise ValueError(f"{rows} rows do not split into chunks of {chunk} within {context}")
     gen = torch.Generator().manual_seed(seed)
     blocks = triton.cdiv(context, BLOCK_SIZE)
-    perm = torch.randperm(kv.kv.shape[2], generator=gen)[: rows * blocks].tolist()
-    tables = [perm[r * blocks : (r + 1) * blocks] for r in range(rows)]
-    meta = build_attention_metadata([context - 1] * rows, [1] * rows, tables, BLOCK_SIZE, "cuda")
+    seqs = rows // chunk
+    perm = torch.randperm(kv.kv.shape[2], generator=gen)[: seqs * blocks].tolist()
+    tables = [perm[r * blocks : (r + 1) * blocks] for r in range(seqs)]
+    starts, counts = [context - chunk] * seqs, [chunk] * seqs
+    meta = build_attention_metadata(starts, counts, tables, BLOCK_SIZE, "cuda", TILE_ROWS)
     hidden = torch.randn(rows, model.config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
     return hidden, meta
 
@@ -140,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--context", type=int, default=512, help="KV positions per row")
+    parser.add_argument("--chunk", type=int, default=1, help="rows per sequence (1: decode)")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--out", type=Path, help="write the JSON results here")
     args = parser.parse_args(argv)
@@ -155,34 +165,34 @@ def main(argv: list[str] | None = None) -> dict:
     model = loaded.model
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
     bandwidth = copy_gbps()
-    num_blocks = max(args.rows) * triton.cdiv(args.context, BLOCK_SIZE) + 64
+    num_blocks = max(args.rows) // args.chunk * triton.cdiv(args.context, BLOCK_SIZE) + 64
     kv = LayerKV(loaded.config, num_blocks)
     results = []
     for rows in args.rows:
-        hidden, meta = decode_case(model, rows, args.context, kv, seed=rows)
-        case = {"rows": rows, "context": args.context}
+        hidden, meta = make_case(model, rows, args.context, kv, rows, args.chunk)
+        case = {"rows": rows, "context": args.context, "chunk": args.chunk}
         outputs = {}
-        for path in PATHS:
+        for path in args.paths:
             model.layer_kernels = path
             case[path] = measure(model, hidden, meta, kv, args.iters)
             outputs[path] = model.recurrent_core(hidden, meta, kv)
-        h_torch, g_torch = outputs["torch"]
-        for path in PATHS[1:]:
-            h, g = outputs[path]
-            case[path]["hidden_rel_err_vs_torch"] = rel_err(h, h_torch)
-            case[path]["gate_rel_err_vs_torch"] = rel_err(g, g_torch)
-        case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
-        case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
+            print(
+                f"rows {rows:4d} chunk {args.chunk}: {path} graph {case[path]['graph_ms']:.3f} "
+                f"ms, eager {case[path]['eager_ms']:.2f} ms, {case[path]['kernels']} kernels "
+                f"({case[path]['kernels_per_layer']:.1f} per layer)",
+                flush=True,
+            )
+        if "torch" in outputs:
+            h_torch, g_torch = outputs["torch"]
+            for path in outputs.keys() - {"torch"}:
+                h, g = outputs[path]
+                case[path]["hidden_rel_err_vs_torch"] = rel_err(h, h_torch)
+                case[path]["gate_rel_err_vs_torch"] = rel_err(g, g_torch)
+        if {"torch", "fused"} <= outputs.keys():
+            case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
+        if {"fused", "skinny"} <= outputs.keys():
+            case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
         results.append(case)
-        print(
-            f"rows {rows:4d}: graph {case['torch']['graph_ms']:.3f} -> "
-            f"{case['fused']['graph_ms']:.3f} ms (skinny {case['skinny']['graph_ms']:.3f}), "
-            f"eager {case['torch']['eager_ms']:.2f} -> "
-            f"{case['fused']['eager_ms']:.2f} ms, kernels {case['torch']['kernels']} -> "
-            f"{case['fused']['kernels']} ({case['torch']['kernels_per_layer']:.1f} -> "
-            f"{case['fused']['kernels_per_layer']:.1f} per layer)",
-            flush=True,
-        )
     report = {
         "env": {
             "gpu": torch.cuda.get_device_name(),
