@@ -44,7 +44,7 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
     for i, n in enumerate(prompt_lens):
         exits = ExitSettings(1, DEPTH, 1.0)
         sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
-    specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens)
+    specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments)
     counts, buckets, steps = Counter(), Counter(), Counter()
     while sched.has_unfinished():
         batch = sched.schedule()

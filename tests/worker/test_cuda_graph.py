@@ -24,7 +24,8 @@ from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.paged_executor import PagedExecutor, Segment
 
 BLOCK_SIZE = 4
-SPECS = graph_specs(6, 100)  # decode graphs of 1, 2, 4, 6 rows; mixed of 8, 16, 32, 64, 100
+# decode graphs of 1, 2, 4, 6 rows; mixed of 8, 16, 32, 64, 100 with tile slots for 12 segments
+SPECS = graph_specs(6, 100, 12)
 # decode rows (request, position, depth): at different requests, depths, blocks
 DECODE = [Segment("a", 7, 1, 0), Segment("b", 5, 1, 2), Segment("c", 11, 1, 3)]
 # a mixed invocation of 83 rows (bucket 100): a 65-row chunk (tiles of 64 and 1 rows), decode
@@ -133,12 +134,12 @@ def _check_equals_eager(segments, backend, spec: GraphSpec):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_decode_invocation_equals_eager(backend):
-    _check_equals_eager(DECODE, backend, GraphSpec(4, 0))  # 3 rows in the 4-row decode graph
+    _check_equals_eager(DECODE, backend, GraphSpec(4, 4, 0))  # 3 rows in the 4-row decode graph
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_padded_mixed_invocation_equals_eager(backend):
-    _check_equals_eager(MIXED, backend, GraphSpec(100, 50))
+    _check_equals_eager(MIXED, backend, GraphSpec(100, 12, 14))
 
 
 @pytest.mark.parametrize("backend,seed", [("torch", s) for s in range(4)] + [("triton", 4)])
@@ -154,7 +155,7 @@ def test_random_mixed_invocations_equal_eager(backend, seed):
 
 def test_prepare_declines_what_no_graph_fits():
     ex, hidden = _setup(DECODE, "torch")
-    specs = graph_specs(2, 4)  # decode graphs of 1 and 2 rows, a mixed graph of 4
+    specs = graph_specs(2, 4, 3)  # decode graphs of 1 and 2 rows, a mixed graph of 4
     graphs = CudaGraphRunner(ex.model, ex.kv_cache, specs, 64, capture=False)
     states = torch.zeros(8, hidden.shape[1])
     tables = [(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)] * 5
@@ -163,12 +164,13 @@ def test_prepare_declines_what_no_graph_fits():
         inv = graphs.prepare(starts, counts, tables[: len(starts)], np.arange(sum(counts)), states)
         return inv and inv.spec
 
-    assert spec([7, 5], [1, 1]) == GraphSpec(2, 0)
-    assert spec([7, 5, 11], [1, 1, 1]) == GraphSpec(4, 2)  # decode rows in the mixed graph
-    assert spec([3, 5], [2, 1]) == GraphSpec(4, 2)
+    assert spec([7, 5], [1, 1]) == GraphSpec(2, 2, 0)
+    assert spec([7, 5, 11], [1, 1, 1]) == GraphSpec(4, 3, 2)  # decode rows in the mixed graph
+    assert spec([3, 5], [2, 1]) == GraphSpec(4, 3, 2)
     assert spec([1, 2, 3, 4, 5], [1] * 5) is None  # 5 rows > 4
+    assert spec([1, 2, 3, 4], [1] * 4) is None  # 4 one-row tiles > 3 slots of the mixed graph
     assert spec([63, 5], [2, 1]) is None  # position 63 fits, 64 does not
-    assert spec([62, 5], [2, 1]) == GraphSpec(4, 2)
+    assert spec([62, 5], [2, 1]) == GraphSpec(4, 3, 2)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +197,7 @@ def _force_static(engine) -> list[tuple[GraphSpec | None, int]]:
     graphs = CudaGraphRunner(
         engine.model,
         engine.runner.kv_cache,
-        graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens),
+        graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, engine.scheduler.expected_segments),
         engine.model_config.max_position_embeddings,
         capture=False,
     )
@@ -260,7 +262,7 @@ def test_gpu_graph_replay_equals_eager(dtype, tol):
         scratch = ex.kv_cache.scratch_block
         ex.kv_cache.kv[:, :, scratch] = kv_eager[:, :, scratch]
         assert rel_err(ex.kv_cache.kv, kv_eager) < tol
-    assert GraphSpec(100, 50) in used and GraphSpec(4, 0) in used and len(used) >= 4
+    assert GraphSpec(100, 12, 14) in used and GraphSpec(4, 4, 0) in used and len(used) >= 4
 
 
 @pytest.mark.gpu
@@ -306,7 +308,9 @@ def test_gpu_generation_with_graphs_equals_eager(model_dir, mode, wavefront, chu
     want = run_batched(make_engine(model_dir, "cuda", "triton", enforce_eager=True, **kw), jobs)
     eng = make_engine(model_dir, "cuda", "triton", **kw)
     graphs = eng.runner.graphs
-    assert graphs is not None and sorted(graphs.graphs) == sorted(graph_specs(6, budget))
+    assert graphs is not None and sorted(graphs.graphs) == sorted(
+        graph_specs(6, budget, eng.scheduler.expected_segments)
+    )
     calls = _record(graphs)
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "last_exited") == 0

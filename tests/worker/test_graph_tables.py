@@ -18,6 +18,7 @@ from vllm_rlt.worker.graph_tables import (
     pack,
     select_spec,
     tables_offset,
+    tile_counts,
 )
 
 SCRATCH_SLOT = 4000
@@ -32,11 +33,11 @@ def test_capped_buckets():
 
 
 def test_graph_specs():
-    specs = graph_specs(8, 1024)
-    decode = [s.num_rows for s in specs if s.num_chunk_slots == 0]
-    mixed = [s.num_rows for s in specs if s.num_chunk_slots > 0]
-    assert decode == [1, 2, 4, 8]
-    assert mixed == [8, 16, 32, 64, 128, *range(192, 1025, 64)]
+    specs = graph_specs(8, 1024, 40)
+    decode = [s for s in specs if s.num_chunk_slots == 0]
+    mixed = [s for s in specs if s.num_chunk_slots > 0]
+    assert decode == [GraphSpec(b, b, 0) for b in (1, 2, 4, 8)]
+    assert [s.num_rows for s in mixed] == [8, 16, 32, 64, 128, *range(192, 1025, 64)]
 
     def padding(rows: int) -> float:  # share of a bucket's rows that are padding
         bucket = min(b for b in MIXED_BUCKETS if b >= rows)
@@ -44,20 +45,30 @@ def test_graph_specs():
 
     assert max(padding(r) for r in range(129, 2049)) < 1 / 3
     assert max(padding(r) for r in range(513, 2049)) < 1 / 8
-    assert all(s.num_chunk_slots == s.num_rows // 2 for s in specs if s.num_chunk_slots)
-    assert graph_specs(300, 100)[-1] == GraphSpec(100, 50)  # decode rows fit the budget too
-    assert max(s.num_rows for s in graph_specs(8, 5000)) == 2048
-    assert [s.num_rows for s in graph_specs(4, 3)] == [1, 2, 3, 3]
-    assert graph_specs(4, 1) == (GraphSpec(1, 0),)
+    # tile slots: every row in a multi-row tile, or the tiles of 40 segments
+    assert mixed[0] == GraphSpec(8, 8, 4) and mixed[-1] == GraphSpec(1024, 40, 16 + 40)
+    assert graph_specs(300, 100, 600)[-1] == GraphSpec(100, 100, 50)  # decode rows fit too
+    assert max(s.num_rows for s in graph_specs(8, 5000, 40)) == 2048
+    assert [s.num_rows for s in graph_specs(4, 3, 8)] == [1, 2, 3, 3]
+    assert graph_specs(4, 1, 8) == (GraphSpec(1, 1, 0),)
+
+
+def test_tile_counts():
+    assert tile_counts([1, 1, 1], 64) == (3, 0)
+    assert tile_counts([65, 2, 128, 129], 64) == (2, 1 + 1 + 2 + 2)  # 65 = 64 + 1 rows
+    assert tile_counts([3, 1], 1) == (4, 0)
 
 
 def test_select_spec():
-    specs = graph_specs(6, 100)
-    assert select_spec(specs, [1, 1, 1]) == GraphSpec(4, 0)  # decode rows: a decode graph
-    assert select_spec(specs, [2, 1]) == GraphSpec(8, 4)  # a chunk: the smallest mixed graph
-    assert select_spec(specs, [1] * 7) == GraphSpec(8, 4)  # more decode rows than decode graphs
-    assert select_spec(specs, [65, 1, 30]) == GraphSpec(100, 50)
+    specs = graph_specs(6, 100, 12)
+    assert select_spec(specs, [1, 1, 1]) == GraphSpec(4, 4, 0)  # decode rows: a decode graph
+    assert select_spec(specs, [2, 1]) == GraphSpec(8, 8, 4)  # a chunk: the smallest mixed graph
+    assert select_spec(specs, [1] * 7) == GraphSpec(8, 8, 4)  # more decode rows than graphs
+    assert select_spec(specs, [65, 1, 30]) == GraphSpec(100, 12, 14)
     assert select_spec(specs, [65, 40]) is None  # more rows than the largest graph
+    # more tiles than a graph's slots: the next graph that holds them, or none
+    assert select_spec(specs, [2] * 5) == GraphSpec(16, 12, 8)
+    assert select_spec(specs, [1] * 13 + [2]) is None  # 13 one-row tiles, 12 slots
 
 
 def _tables(spec: GraphSpec, call) -> dict[str, np.ndarray]:
@@ -76,11 +87,11 @@ def test_pack_mixed_invocation():
     starts, counts = [0, 7, 3, 12], [65, 1, 2, 1]
     tables = [list(range(17)), [20, 21], [30, 31], [40, 41, 42, 43]]
     host = HostMetadata.build(starts, counts, tables, 4, 64)
-    spec = GraphSpec(100, 50)
+    spec = GraphSpec(100, 12, 14)
     index = np.arange(69, dtype=np.int64)[::-1].copy()
     call = pack(spec, host, index, SCRATCH_SLOT, 3, pin=False)
     t = _tables(spec, call)
-    r, b = 69, 100
+    r, b, one = 69, 100, 12
     assert (call.num_tables, call.width, call.num_padding) == (4, 3, b - r)
     np.testing.assert_array_equal(t["tables"], host.block_tables[:, :3])  # cut to max_blocks
     np.testing.assert_array_equal(t["index"][:r], index)
@@ -91,24 +102,26 @@ def test_pack_mixed_invocation():
     assert call.seg_row_starts == (0, 65, 66, 68, *range(69, b + 1))
     assert call.seg_token_starts == (0, 7, 3, 12) + (0,) * (b - r)
     np.testing.assert_array_equal(t["seg_row_starts"][: 5 + b - r], call.seg_row_starts)
-    # tiles: one-row slots [0, B), multi-row slots [B, B + B // 2), zero-row tiles fill both
+    # tiles: the real one-row tiles in the first of 12 one-row slots, the multi-row ones in the
+    # first of 14 slots after those; zero-row tiles fill both, and padding rows have none
     nrows = t["tile_num_rows"]
-    assert (nrows[:b][nrows[:b] > 0] == 1).all() and (nrows[b:][nrows[b:] > 0] > 1).all()
-    assert (nrows[:b] > 0).sum() == 3 + b - r and list(nrows[b : b + 2]) == [64, 2]
-    assert (nrows[b + 2 :] == 0).all() and (t["tile_seg"][nrows == 0] == 0).all()
+    assert nrows.shape == (one + 14,)
+    assert list(nrows[:one]) == [1, 1, 1] + [0] * (one - 3)
+    assert list(nrows[one:]) == [64, 2] + [0] * 12
+    assert (t["tile_seg"][nrows == 0] == 0).all()
     covered = np.zeros(b, dtype=int)
     for start, n in zip(t["tile_row_start"], nrows, strict=True):
         covered[start : start + n] += 1
-    assert (covered == 1).all()
+    assert (covered[:r] == 1).all() and (covered[r:] == 0).all()
 
 
 def test_pack_decode_and_warm_up():
     host = HostMetadata.build([5, 9], [1, 1], [[1, 2], [3, 4, 5]], 4, 64)
-    spec = GraphSpec(4, 0)
+    spec = GraphSpec(4, 4, 0)
     t = _tables(spec, pack(spec, host, np.array([3, 1]), SCRATCH_SLOT, 8, pin=False))
-    np.testing.assert_array_equal(t["tile_row_start"], [0, 1, 2, 3])
-    np.testing.assert_array_equal(t["tile_seg"], [0, 1, 2, 3])
-    np.testing.assert_array_equal(t["tile_num_rows"], [1, 1, 1, 1])
+    np.testing.assert_array_equal(t["tile_row_start"], [0, 1, 0, 0])
+    np.testing.assert_array_equal(t["tile_seg"], [0, 1, 0, 0])
+    np.testing.assert_array_equal(t["tile_num_rows"], [1, 1, 0, 0])  # padding rows: no tile
     np.testing.assert_array_equal(t["positions"], [5, 9, 0, 0])
     warm_up = pack(spec, None, np.zeros(0, dtype=np.int64), SCRATCH_SLOT, 8, pin=False)
     t = _tables(spec, warm_up)
@@ -119,6 +132,9 @@ def test_pack_decode_and_warm_up():
 def test_pack_rejects_what_the_spec_cannot_hold():
     host = HostMetadata.build([0], [3], [[1]], 4, 64)
     with pytest.raises(ValueError, match="do not fit"):
-        pack(GraphSpec(4, 0), host, np.arange(3), SCRATCH_SLOT, 8, pin=False)  # no chunk slots
+        pack(GraphSpec(4, 4, 0), host, np.arange(3), SCRATCH_SLOT, 8, pin=False)  # no chunk slot
     with pytest.raises(ValueError, match="do not fit"):
-        pack(GraphSpec(2, 1), host, np.arange(3), SCRATCH_SLOT, 8, pin=False)  # too many rows
+        pack(GraphSpec(2, 2, 1), host, np.arange(3), SCRATCH_SLOT, 8, pin=False)  # too many rows
+    ones = HostMetadata.build([0, 5], [1, 1], [[1], [2, 3]], 4, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack(GraphSpec(4, 1, 2), ones, np.arange(2), SCRATCH_SLOT, 8, pin=False)  # 2 one-row

@@ -43,6 +43,7 @@ class AttentionMetadata:
     tile_order: torch.Tensor  # [T] int32: tile indices, one-row tiles first (one launch per class)
     num_one_row_tiles: int  # length of the one-row launch: the head of tile_order (decode rows)
     max_tile_rows: int  # row block of the multi-row launch: >= the rows of every tile in it
+    num_splits: int | None = None  # KV splits per tile fixed for this invocation; None: chosen
 
     @property
     def num_rows(self) -> int:

@@ -19,8 +19,9 @@ class TritonAttentionBackend:
     supports_cuda_graphs = True
 
     def __init__(self, num_splits: int | None = None) -> None:
-        # KV splits per tile; None picks them per call from the grid size and the max context
-        # (under CUDA graphs both are fixed per row bucket, so the choice is too).
+        # KV splits per tile; None takes the invocation's (`AttentionMetadata.num_splits`) or
+        # picks them per call from the grid size and the max context (under CUDA graphs both are
+        # fixed per row bucket, so the choice is too).
         self.num_splits = num_splits
 
     def forward(
@@ -39,4 +40,5 @@ class TritonAttentionBackend:
         """
         if not kv_stored:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, num_splits=self.num_splits)
+        splits = meta.num_splits if self.num_splits is None else self.num_splits
+        return paged_attention(q, k_cache, v_cache, meta, num_splits=splits)

@@ -85,7 +85,8 @@ class LLMEngine:
         graphs = None
         if not mc.enforce_eager and graphs_supported(self.model):
             max_context = min(c.max_position_embeddings, self.kv_manager.max_tokens_per_request())
-            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens)
+            segments = self.scheduler.expected_segments
+            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context)
         self.runner = ModelRunner(
             self.model,

@@ -286,7 +286,9 @@ def _combine_kernel(
     wait_for_primary(GDC)  # the partials come from the attention kernel
     row = tl.program_id(0)
     head = tl.program_id(1)
-    split_len = tl.load(split_len_ptr + row)
+    # a row in no tile (a CUDA-graph padding row, at position 0) has no split length stored:
+    # it reads split 0 alone, whatever it holds
+    split_len = tl.maximum(tl.load(split_len_ptr + row), 1)
     num_active = tl.load(positions_ptr + row).to(tl.int32) // split_len + 1
     offs_s = tl.arange(0, SPLITS_P2)
     active = offs_s < num_active

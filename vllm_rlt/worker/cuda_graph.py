@@ -103,7 +103,7 @@ class CudaGraphRunner:
         `states[index]` (states: [N, H], index: [R] int64) into the static buffers; None when no
         graph admits the invocation (too many rows, or a position at or past `max_context`): it
         then runs eagerly."""
-        spec = select_spec(self.specs, num_rows)
+        spec = select_spec(self.specs, num_rows, self.tile_rows)
         ends = (s + n for s, n in zip(token_starts, num_rows, strict=True))
         if spec is None or max(ends) > self.max_context:
             return None
@@ -154,8 +154,9 @@ class CudaGraphRunner:
             seg_token_starts_host=(),
             max_context=self.max_context,
             tile_order=torch.arange(spec.num_tiles, dtype=torch.int32, device=device),
-            num_one_row_tiles=b,
+            num_one_row_tiles=spec.num_one_slots,
             max_tile_rows=min(self.tile_rows, b) if spec.num_chunk_slots else 1,
+            num_splits=1 if spec.num_chunk_slots else None,  # see graph_tables
         )
 
     def _load(

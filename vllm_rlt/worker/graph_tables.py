@@ -2,18 +2,23 @@
 
 A graph runs a fixed number of rows B, its bucket: an invocation of R <= B rows runs with B - R
 padding rows appended, each a one-row segment at position 0 of the KV cache's scratch block (which
-the block pool never hands out), so padding rows write and read only that block. Two kinds:
+the block pool never hands out), so padding rows write only that block. Two kinds:
 
-- decode graphs admit invocations whose segments are all one row; their tiles are the B one-row
-  tiles and the attention kernel runs its one-row launch alone;
-- mixed graphs admit any invocation (prefill chunks of any length beside decode rows, rows of
-  several requests at several depths). Their tile table has B one-row slots and B // 2 multi-row
-  slots: a multi-row tile holds >= 2 rows, so n1 + 2 * n2 <= B rows bound both counts. Unused
-  slots hold tiles of zero rows, which the kernel skips; the multi-row launch sizes its row block
-  for min(tile_rows, B) rows. Both launches therefore have the same grid on every replay.
+- decode graphs admit invocations whose segments are all one row; their tile table has B one-row
+  slots and the attention kernel runs its one-row launch alone;
+- mixed graphs admit invocations of prefill chunks beside decode rows, rows of several requests
+  at several depths, up to a number of tiles: `num_one_slots` one-row and `num_chunk_slots`
+  multi-row tile slots, sized from the segments one invocation is expected to hold
+  (`graph_specs`; an invocation with more tiles runs in a larger graph or eagerly). The
+  multi-row launch sizes its row block for min(tile_rows, B) rows, and mixed graphs do not split
+  the KV (their programs are mostly prefill tiles, which splitting slows down).
+
+Unused slots hold tiles of zero rows, which the kernel skips at the cost of a program each, so
+both launches have the same grid on every replay. Padding rows get no tile: their attention
+output is never computed (nothing reads it; each row's result depends on its own inputs only).
 
 Everything a replay reads per call is packed into one buffer for one host-to-device copy (`pack`),
-in this order (B rows, T = B + multi-row slots tiles, S real segments, W table columns):
+in this order (B rows, T = one-row + multi-row tile slots, S real segments, W table columns):
 
     int64 [B] positions | int64 [B] slot_mapping | int64 [B] state-row index (first R used)
     int32 [B + 1] seg_row_starts | int32 [B] seg_token_starts (first S + B - R used)
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_rlt.attention.metadata import HostMetadata
+from vllm_rlt.attention.metadata import TILE_ROWS, HostMetadata
 
 # decode buckets (vLLM-like): dense where decode batches are small, coarser up to 256
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -52,31 +57,58 @@ def capped(buckets: tuple[int, ...], max_rows: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True, order=True)
 class GraphSpec:
-    """The shape one captured graph runs."""
+    """The shape one captured graph runs: its rows and the tile slots of its attention launches."""
 
     num_rows: int  # B: the bucket; real rows first, then padding rows
-    num_chunk_slots: int  # multi-row tile slots: 0 (decode graph) or B // 2 (mixed graph)
+    num_one_slots: int  # one-row tile slots: B in a decode graph
+    num_chunk_slots: int  # multi-row tile slots: 0 in a decode graph
 
     @property
     def num_tiles(self) -> int:
-        return self.num_rows + self.num_chunk_slots
+        return self.num_one_slots + self.num_chunk_slots
 
 
-def graph_specs(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[GraphSpec, ...]:
+def graph_specs(
+    max_num_seqs: int, max_num_batched_tokens: int, max_segments: int, tile_rows: int = TILE_ROWS
+) -> tuple[GraphSpec, ...]:
     """Decode graphs up to the decode rows of one invocation (<= max_num_seqs), then mixed graphs
-    up to its token budget (<= 2048)."""
+    up to its token budget (<= 2048). A mixed graph of B rows has room for the tiles of
+    `max_segments` segments (one-row segments, and one partial tile per multi-row segment) and
+    for B rows in full tiles: min(B, max_segments) one-row and min(B // 2, ceil(B / tile_rows) +
+    max_segments) multi-row slots (a multi-row tile holds >= 2 rows)."""
     decode = capped(DECODE_BUCKETS, min(max_num_seqs, max_num_batched_tokens))
     mixed = capped(MIXED_BUCKETS, max_num_batched_tokens)
-    specs = [GraphSpec(b, 0) for b in decode] + [GraphSpec(b, b // 2) for b in mixed]
+    specs = [GraphSpec(b, b, 0) for b in decode] + [
+        GraphSpec(b, min(b, max_segments), min(b // 2, -(-b // tile_rows) + max_segments))
+        for b in mixed
+    ]
     return tuple(dict.fromkeys(specs))  # a budget of one row: one decode graph
 
 
-def select_spec(specs: tuple[GraphSpec, ...], num_rows: list[int]) -> GraphSpec | None:
+def tile_counts(num_rows: list[int], tile_rows: int) -> tuple[int, int]:
+    """(one-row tiles, multi-row tiles) of segments of `num_rows` rows: full tiles of `tile_rows`
+    rows and a last partial tile per segment, as `HostMetadata.build` cuts them."""
+    full = sum(n // tile_rows for n in num_rows)
+    partial = [n % tile_rows for n in num_rows if n % tile_rows]
+    one = partial.count(1) + (full if tile_rows == 1 else 0)
+    return one, full + len(partial) - one
+
+
+def select_spec(
+    specs: tuple[GraphSpec, ...], num_rows: list[int], tile_rows: int = TILE_ROWS
+) -> GraphSpec | None:
     """The smallest graph that admits segments of `num_rows` rows (a decode graph if every segment
     is one row and one fits), or None."""
-    total = sum(num_rows)
-    decode = max(num_rows) == 1
-    fits = [s for s in specs if s.num_rows >= total and (decode or s.num_chunk_slots > 0)]
+    total, decode = sum(num_rows), max(num_rows) == 1
+    one, multi = tile_counts(num_rows, tile_rows)
+    fits = [
+        s
+        for s in specs
+        if s.num_rows >= total
+        and (decode or s.num_chunk_slots > 0)
+        and one <= s.num_one_slots
+        and multi <= s.num_chunk_slots
+    ]
     return min(fits, key=lambda s: (s.num_chunk_slots > 0, s.num_rows), default=None)
 
 
@@ -136,17 +168,16 @@ def pack(
     r, s = host.positions.shape[0], host.seg_token_starts.shape[0]
     p = b - r
     pad = np.arange(max(p, 0), dtype=np.int64)
-    tile_seg = np.concatenate([host.tile_seg, s + pad])
-    tile_row_start = np.concatenate([host.tile_row_start, r + pad])
-    tile_num_rows = np.concatenate([host.tile_num_rows, np.ones_like(pad)])
-    one = tile_num_rows == 1
-    num_chunk = tile_seg.shape[0] - int(one.sum())
-    if p < 0 or num_chunk > spec.num_chunk_slots:
-        raise ValueError(f"{r} rows in {num_chunk} multi-row tiles do not fit {spec}")
-    # one-row tiles fill slots 0.., multi-row tiles slots B..; the rest stay zero-row tiles
-    slot = np.where(one, np.cumsum(one) - 1, b + np.cumsum(~one) - 1)
+    one = host.tile_num_rows == 1
+    num_one = int(one.sum())
+    num_chunk = one.shape[0] - num_one
+    if p < 0 or num_one > spec.num_one_slots or num_chunk > spec.num_chunk_slots:
+        raise ValueError(f"{r} rows in {num_one} + {num_chunk} tiles do not fit {spec}")
+    # one-row tiles fill slots 0.., multi-row tiles the slots after the one-row ones; the rest
+    # stay zero-row tiles, and the padding rows have none
+    slot = np.where(one, np.cumsum(one) - 1, spec.num_one_slots + np.cumsum(~one) - 1)
     tiles = np.zeros((3, spec.num_tiles), dtype=np.int64)
-    tiles[:, slot] = tile_seg, tile_row_start, tile_num_rows
+    tiles[:, slot] = host.tile_seg, host.tile_row_start, host.tile_num_rows
     values = {
         "positions": np.concatenate([host.positions, np.zeros(p, dtype=np.int64)]),
         "slot_mapping": np.concatenate([host.slot_mapping, np.full(p, scratch_slot)]),

@@ -60,6 +60,14 @@ class Scheduler:
         self._copies: dict[str, list[tuple[int, int]]] = {}
         self._finished: list[str] = []
 
+    @property
+    def expected_segments(self) -> int:
+        """Segments an invocation holds at most in the usual case: per running request its decode
+        row, or its resident prefill chunks and one piece the token budget cut (the runner's
+        CUDA graphs are sized for this many; an invocation with more runs in a larger graph or
+        eagerly)."""
+        return self.config.max_num_seqs * (self.planner.ring_slots + 1)
+
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
