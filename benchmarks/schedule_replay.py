@@ -7,7 +7,8 @@ Every request is admitted as soon as `max_num_seqs` allows (the concurrent profi
 `--output-len` tokens at fixed depth, and a stub runner answers each step with token 1. The
 counts explain the matrix's per-invocation measurements: how many steps the host runs (by the
 kinds of rows they carry and their loop count), how many invocations mix decode rows with
-prefill rows, and how many padding rows the graph buckets add.
+prefill rows, how many padding rows the graph buckets add, and which invocations no graph holds
+(bucket "eager": more tiles than a graph's slots).
 """
 
 from __future__ import annotations
@@ -58,13 +59,14 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
                 break
             rows = [t.num_tokens for t in live]
             decode = sum(t.kind is RowKind.DECODE for t in live)
-            bucket = select_spec(specs, rows).num_rows
+            spec = select_spec(specs, rows)  # None: no graph holds its tiles, it runs eagerly
+            bucket = sum(rows) if spec is None else spec.num_rows
             kind = "mixed" if decode and decode < sum(rows) else "decode" if decode else "prefill"
             counts["invocations"] += 1
             counts[f"{kind}_invocations"] += 1
             counts["rows"] += sum(rows)
             counts["bucket_rows"] += bucket
-            buckets[f"{kind} {bucket}"] += 1
+            buckets[f"{kind} {'eager' if spec is None else bucket}"] += 1
         tokens = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
         sched.update(batch, RunnerOutput(sampled=tokens, decode_gate_logits=()))
     assert kv.num_free_blocks == kv.num_total_blocks

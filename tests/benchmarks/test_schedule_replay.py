@@ -33,3 +33,17 @@ def test_replay_counts_every_mode_running_the_same_rows(tmp_path):
         loops = sum(int(k.split(" x")[1]) * n for k, n in steps.items() if not k.startswith("e"))
         assert loops >= r["invocations"]
     assert "mixed x1" not in modes["atomic"]["steps_by_kind_and_loops"]
+    # the engine's graphs hold every invocation of these schedules (no eager fallback)
+    buckets = [k for r in modes.values() for k in r["invocations_by_kind_and_bucket"]]
+    assert not [k for k in buckets if "eager" in k]
+
+
+def test_replay_counts_invocations_no_graph_holds(monkeypatch):
+    # graphs sized for one segment: WCPB's invocations of several pieces run eagerly
+    specs = schedule_replay.graph_specs
+    monkeypatch.setattr(schedule_replay, "graph_specs", lambda s, b, segments: specs(s, b, 1))
+    argv = ["--chunk", "32", "--inputs", "fixed", "--num-requests", "4", "--output-len", "2"]
+    result = schedule_replay.main([*argv, "--max-num-batched-tokens", "256", "--modes", "wcpb"])
+    r = result["modes"]["wcpb"]
+    eager = {k: n for k, n in r["invocations_by_kind_and_bucket"].items() if "eager" in k}
+    assert eager and sum(r["invocations_by_kind_and_bucket"].values()) == r["invocations"]
