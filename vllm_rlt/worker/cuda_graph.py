@@ -4,10 +4,10 @@
 rows, one upload buffer for everything a call changes (row, segment and tile tables and the
 gathered state-row index, laid out per bucket by `graph_tables.field_offsets`) and the block-table
 matrix; each graph's `AttentionMetadata` views them. `max_context` is fixed for every graph, so
-the attention kernels choose the same KV splits on every call, and the tile tables have a fixed
-length per bucket (zero-row tiles fill them), so the kernels' grids are fixed too: a graph
-captured once per bucket is valid for any invocation the bucket admits (decode graphs: one-row
-segments only; mixed graphs: any segments).
+the attention kernels choose the same KV splits on every call (mixed graphs: none), and the tile
+tables have a fixed length per bucket (zero-row tiles fill them), so the kernels' grids are fixed
+too: a graph captured once per bucket is valid for any invocation the bucket admits (decode
+graphs: one-row segments only; mixed graphs: segments whose tiles fit its tile slots).
 
 Per invocation: the host tables (`HostMetadata`, built as for an eager invocation) and the padding
 rows are packed into one pinned buffer and sent with one host-to-device copy; one device copy
