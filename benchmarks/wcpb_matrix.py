@@ -37,7 +37,7 @@ from benchmarks.provenance import commit, engine_digest
 from benchmarks.serving.drivers import gpu_activity, run_inprocess
 from benchmarks.serving.metrics import engine_counters, summarize
 from benchmarks.serving.workload import build_workload
-from vllm_rlt.config import EngineConfig
+from vllm_rlt.config import EngineConfig, SchedulerConfig
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
@@ -84,8 +84,8 @@ def add_async_scheduling_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the engine's async scheduling (default on, as in the engine)",
+        default=SchedulerConfig.async_scheduling,
+        help="the engine's async scheduling (default: the engine's)",
     )
 
 

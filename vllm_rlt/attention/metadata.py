@@ -54,6 +54,19 @@ class AttentionMetadata:
         return len(self.seg_token_starts_host)
 
 
+def tile_layout(num_rows: np.ndarray, tile_rows: int) -> tuple[np.ndarray, ...]:
+    """Tiles of segments of `num_rows` rows (int64 array), in row order: (segment, first row, rows)
+    of each. Tiles never straddle segments; each segment's last tile holds what is left."""
+    row_starts = np.concatenate([[0], np.cumsum(num_rows)])
+    tiles_per_seg = (num_rows + tile_rows - 1) // tile_rows
+    tile_seg = np.repeat(np.arange(num_rows.shape[0]), tiles_per_seg)
+    tile_first = np.concatenate([[0], np.cumsum(tiles_per_seg)])[:-1]
+    tile_local = np.arange(tile_seg.shape[0]) - tile_first[tile_seg]
+    tile_row_start = row_starts[tile_seg] + tile_local * tile_rows
+    tile_num_rows = np.minimum(tile_rows, row_starts[tile_seg + 1] - tile_row_start)
+    return tile_seg, tile_row_start, tile_num_rows
+
+
 @dataclass(frozen=True)
 class HostMetadata:
     """The tables of `AttentionMetadata` as int64 numpy arrays, before they go to the device
@@ -106,12 +119,7 @@ class HostMetadata:
         positions = starts[row_seg] + np.arange(row_starts[-1]) - row_starts[row_seg]
         slots = tables[row_seg, positions // block_size] * block_size + positions % block_size
 
-        tiles_per_seg = (counts + tile_rows - 1) // tile_rows
-        tile_seg = np.repeat(np.arange(num_segs), tiles_per_seg)
-        tile_first = np.concatenate([[0], np.cumsum(tiles_per_seg)])[:-1]
-        tile_local = np.arange(tile_seg.shape[0]) - tile_first[tile_seg]
-        tile_row_start = row_starts[tile_seg] + tile_local * tile_rows
-        tile_num_rows = np.minimum(tile_rows, row_starts[tile_seg + 1] - tile_row_start)
+        tile_seg, tile_row_start, tile_num_rows = tile_layout(counts, tile_rows)
         one_row = tile_num_rows == 1
         tile_order = np.concatenate([np.flatnonzero(one_row), np.flatnonzero(~one_row)])
         return cls(

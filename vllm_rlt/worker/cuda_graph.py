@@ -30,7 +30,7 @@ from vllm_rlt.worker.graph_tables import (
     GraphSpec,
     field_offsets,
     pack,
-    select_spec,
+    select_spec_for,
     tables_offset,
 )
 from vllm_rlt.worker.kv_cache import DeviceKVCache
@@ -101,14 +101,16 @@ class CudaGraphRunner:
     ) -> StaticInvocation | None:
         """Load an invocation's segments (as for `HostMetadata.build`) and its input rows
         `states[index]` (states: [N, H], index: [R] int64) into the static buffers; None when no
-        graph admits the invocation (too many rows, or a position at or past `max_context`): it
-        then runs eagerly."""
-        spec = select_spec(self.specs, num_rows, self.tile_rows)
+        graph admits the invocation (too many rows or tiles, or a position at or past
+        `max_context`): it then runs eagerly."""
         ends = (s + n for s, n in zip(token_starts, num_rows, strict=True))
-        if spec is None or max(ends) > self.max_context:
+        if max(ends) > self.max_context:
             return None
         block_size = self.kv_cache.block_size
         host = HostMetadata.build(token_starts, num_rows, block_tables, block_size, self.tile_rows)
+        spec = select_spec_for(self.specs, num_rows, host.tile_num_rows)
+        if spec is None:
+            return None
         meta = self._load(spec, host, index)
         r = index.shape[0]
         hidden = self._hidden[:r]

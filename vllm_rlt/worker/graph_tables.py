@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_rlt.attention.metadata import TILE_ROWS, HostMetadata
+from vllm_rlt.attention.metadata import TILE_ROWS, HostMetadata, tile_layout
 
 # decode buckets (vLLM-like): dense where decode batches are small, coarser up to 256
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -86,12 +86,14 @@ def graph_specs(
 
 
 def tile_counts(num_rows: list[int], tile_rows: int) -> tuple[int, int]:
-    """(one-row tiles, multi-row tiles) of segments of `num_rows` rows: full tiles of `tile_rows`
-    rows and a last partial tile per segment, as `HostMetadata.build` cuts them."""
-    full = sum(n // tile_rows for n in num_rows)
-    partial = [n % tile_rows for n in num_rows if n % tile_rows]
-    one = partial.count(1) + (full if tile_rows == 1 else 0)
-    return one, full + len(partial) - one
+    """(one-row tiles, multi-row tiles) of segments of `num_rows` rows, cut as
+    `HostMetadata.build` cuts them (`tile_layout`)."""
+    return _one_and_multi(tile_layout(np.asarray(num_rows, dtype=np.int64), tile_rows)[2])
+
+
+def _one_and_multi(tile_num_rows: np.ndarray) -> tuple[int, int]:
+    one = int((tile_num_rows == 1).sum())
+    return one, tile_num_rows.shape[0] - one
 
 
 def select_spec(
@@ -99,8 +101,19 @@ def select_spec(
 ) -> GraphSpec | None:
     """The smallest graph that admits segments of `num_rows` rows (a decode graph if every segment
     is one row and one fits), or None."""
+    return _smallest_fit(specs, num_rows, *tile_counts(num_rows, tile_rows))
+
+
+def select_spec_for(
+    specs: tuple[GraphSpec, ...], num_rows: list[int], tile_num_rows: np.ndarray
+) -> GraphSpec | None:
+    """`select_spec` for segments already cut into tiles of `tile_num_rows` rows
+    (`HostMetadata.tile_num_rows`): they are counted, not cut again."""
+    return _smallest_fit(specs, num_rows, *_one_and_multi(tile_num_rows))
+
+
+def _smallest_fit(specs, num_rows: list[int], one: int, multi: int) -> GraphSpec | None:
     total, decode = sum(num_rows), max(num_rows) == 1
-    one, multi = tile_counts(num_rows, tile_rows)
     fits = [
         s
         for s in specs
