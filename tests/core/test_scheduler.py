@@ -192,3 +192,72 @@ def test_decode_rows_cap_the_prefill_rows_beside_them():
         (beside if decode else alone).append(prefill)
     assert max(beside) == 3  # capped beside decode rows (and the cap is reached)
     assert max(alone) > 3  # prefill-only batches use the whole budget
+
+
+def _out_of_phase(second: Request, a_tokens: int = 12) -> Scheduler:
+    """WCPB with 2-token chunks: "a" decodes; `second` ("b") finishes its prompt when "a"'s token
+    has run 2 of its D loops, and its first token is sampled at once: the two are out of phase."""
+    s = scheduler(
+        max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=2,
+        wavefront_chunked_prefill=True,
+    )  # fmt: skip
+    s.add_request(request("a", 3, max_tokens=a_tokens))
+    step(s)
+    step(s)
+    s.add_request(second)
+    for _ in range(4):
+        step(s, gate=-5.0)
+    assert s.requests["a"].decode.loops_done == 2
+    first = step(s, gate=-5.0)  # never held: the first token
+    assert first.sample_req_ids == ("b",) and first.loop_count in (1, 2)
+    return s
+
+
+def test_phase_hold_starts_fixed_depth_tokens_together():
+    s = _out_of_phase(request("b", 2, max_tokens=6))
+    held = step(s)  # a's token is ready but waits for b's, 2 loops behind
+    assert (held.loop_count, held.sample_req_ids) == (2, ())
+    assert [(t.request_id, t.depth) for t in held.requests] == [("b", 2)]
+    for _ in range(3):  # then both start together and run all D loops per step (R1)
+        batch = step(s)
+        assert (batch.loop_count, batch.sample_req_ids) == (D, ("a", "b"))
+
+
+def test_no_phase_hold_when_tokens_read_gates_run_other_loops_or_end():
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cases = [
+        (request("b", 2, max_tokens=6, threshold=0.99), 12),  # b reads gates
+        (Request("b", [0, 1], params, ExitSettings(1, D, 1.0), seed=0), 2),  # a's last token
+    ]
+    for second, a_tokens in cases:
+        s = _out_of_phase(second, a_tokens)
+        while s.requests["a"].ready_loops is None:  # "a"'s token exits while "b"'s runs
+            step(s, gate=-5.0)
+        assert s.requests["b"].decode.loops_done > 0
+        assert "a" in s.schedule().sample_req_ids
+
+
+def test_phase_hold_lets_exited_tokens_start_with_a_first_token():
+    s = scheduler(
+        max_num_seqs=3, max_num_batched_tokens=8, prefill_chunk_size=2,
+        wavefront_chunked_prefill=True,
+    )  # fmt: skip
+    s.add_request(request("a", 3, max_tokens=12))
+    step(s)
+    s.add_request(request("c", 2, max_tokens=12))
+    for _ in range(3):
+        step(s)
+    s.add_request(request("b", 2, max_tokens=12))
+    for _ in range(4):
+        step(s)
+    a, b, c = (s.requests[r] for r in "abc")
+    assert (a.num_sampled, a.ready_loops, b.num_sampled, b.ready_loops) == (1, D, 0, D)
+    assert c.decode.loops_done == D - 1  # mid-token: "a" alone would wait for it
+    batch = step(s)
+    assert batch.sample_req_ids == ("a", "b")  # "a" starts with "b"'s first token instead
+    held = step(s)  # "c" waits for both, D - 1 loops, then all three run in phase
+    assert (held.loop_count, held.sample_req_ids) == (D - 1, ())
+    assert [t.request_id for t in held.requests] == ["a", "b"]
+    for _ in range(3):
+        batch = step(s)
+        assert (batch.loop_count, sorted(batch.sample_req_ids)) == (D, ["a", "b", "c"])

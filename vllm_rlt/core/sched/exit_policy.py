@@ -37,6 +37,11 @@ class ExitPolicy(Protocol):
         `gate_logit` is None when `reads_gate` said it is not needed."""
         ...
 
+    def fixed_loops(self, settings: ExitSettings) -> int | None:
+        """The loops every token of a request with `settings` runs, or None when they vary
+        (gates, traces)."""
+        ...
+
 
 def _fires(token: DecodeToken, settings: ExitSettings, gate_logit: float) -> bool:
     """Ouro's Q-exit rule: the exit CDF 1 - prod(1 - sigmoid(g_r)) reaches the threshold."""
@@ -69,6 +74,9 @@ class OuroExit:
     ) -> bool:
         fired = gate_logit is not None and _fires(token, settings, gate_logit)
         return fired or token.loops_done >= self.last_loop(token, settings)
+
+    def fixed_loops(self, settings: ExitSettings) -> int | None:
+        return settings.max_loops if settings.threshold >= 1.0 else None
 
 
 class OuroDelayedExit(OuroExit):
@@ -117,6 +125,9 @@ class TraceExit:
         self, token: DecodeToken, settings: ExitSettings, gate_logit: float | None
     ) -> bool:
         return token.loops_done >= token.exit_at
+
+    def fixed_loops(self, settings: ExitSettings) -> int | None:
+        return settings.max_loops if settings.min_loops == settings.max_loops else None
 
 
 def make_exit_policy(mode: str, trace_seed: int | None) -> ExitPolicy:

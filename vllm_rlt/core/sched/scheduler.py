@@ -165,13 +165,15 @@ class Scheduler:
             for r in self.running
             if not r.in_prefill and (r.decode is not None or r.ready_loops is not None)
         ]
-        cohort_done = all(r.ready_loops is not None for r in decoding)
-        hold = self.config.scheduling_mode == "no_refill" and not cohort_done
+        ready = [r for r in decoding if r.ready_loops is not None]
+        cohort_done = len(ready) == len(decoding)
+        hold_all = self.config.scheduling_mode == "no_refill" and not cohort_done
+        hold_next = not cohort_done and self._phase_hold(decoding, ready)
         tasks, samples = [], []
         for req in decoding:
             if req.ready_loops is not None:
                 last = req.is_last_sample
-                if hold or not last and len(tasks) >= budget:
+                if hold_all or not last and (hold_next or len(tasks) >= budget):
                     continue
                 samples.append(req.request_id)
                 token = DecodeToken(position=req.num_tokens, index=req.num_sampled)
@@ -192,6 +194,19 @@ class Scheduler:
                 )
             )  # fmt: skip
         return tasks, samples
+
+    def _phase_hold(self, decoding: list[Request], ready: list[Request]) -> bool:
+        """Phase hold: whether the `ready` requests (their tokens exited) wait for the others'
+        tokens to exit, so that all next tokens start together. Then decode-only steps run all
+        their loops in one step (R1) with one sampling pass, instead of one step per phase.
+        Only when every decoding token runs the same fixed number of loops (a wait of at most
+        that many loops brings them in phase for good), and not when a first token is sampled
+        now: that one starts at once (the hold must not delay a time to first token), and the
+        ready requests start with it."""
+        cycles = {self.exit_policy.fixed_loops(r.exit) for r in decoding}
+        if len(cycles) != 1 or None in cycles:
+            return False
+        return not any(r.num_sampled == 0 and not r.is_last_sample for r in ready)
 
     def _plan_prefill(self, budget: int) -> list[ScheduledRequest]:
         if budget <= 0:
