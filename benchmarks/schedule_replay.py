@@ -4,7 +4,9 @@ engine steps, recurrent-core invocations, rows and CUDA-graph bucket rows it wou
     python -m benchmarks.schedule_replay --chunk 128 --inputs fixed --num-requests 24 --out r.json
 
 Every request is admitted as soon as `max_num_seqs` allows (the concurrent profile), generates
-`--output-len` tokens at fixed depth, and a stub runner answers each step with token 1. The
+`--output-len` tokens at fixed depth, and a stub runner answers each step with token 1, applied
+at once or, with `--async-scheduling`, after the next step is scheduled (as the engine does by
+default). The
 counts explain the matrix's per-invocation measurements: how many steps the host runs (by the
 kinds of rows they carry and their loop count), how many invocations mix decode rows with
 prefill rows, how many padding rows the graph buckets add, and which invocations no graph holds
@@ -22,7 +24,7 @@ from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import INPUTS, MODES, mode_settings
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
-from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
+from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.request import ExitSettings, Request
@@ -47,6 +49,7 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
         sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
     specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments)
     counts, buckets, steps = Counter(), Counter(), Counter()
+    async_scheduling, unread = getattr(args, "async_scheduling", False), None
     while sched.has_unfinished():
         batch = sched.schedule()
         counts["steps"] += 1
@@ -67,8 +70,11 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
             counts["rows"] += sum(rows)
             counts["bucket_rows"] += bucket
             buckets[f"{kind} {'eager' if spec is None else bucket}"] += 1
-        tokens = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
-        sched.update(batch, RunnerOutput(sampled=tokens, decode_gate_logits=()))
+        sched.advance(batch, ())
+        if async_scheduling:  # the previous step's tokens are read after this step is queued
+            batch, unread = unread, batch
+        if batch is not None:
+            sched.apply_tokens(batch, {r: SampledToken(1, None, ()) for r in batch.sample_req_ids})
     assert kv.num_free_blocks == kv.num_total_blocks
     return {
         **counts,
@@ -88,6 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--wcpb-cap", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="the matrix's seed + repeat")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="model the engine's async scheduling (its default): each step's tokens are applied "
+        "after the next step is scheduled, so finished requests free their slots a step later "
+        "(default: off, every step's tokens applied at once)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     # the matrix's workload (its prompt lengths; the token ids do not matter here)

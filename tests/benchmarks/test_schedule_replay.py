@@ -47,3 +47,19 @@ def test_replay_counts_invocations_no_graph_holds(monkeypatch):
     r = result["modes"]["wcpb"]
     eager = {k: n for k, n in r["invocations_by_kind_and_bucket"].items() if "eager" in k}
     assert eager and sum(r["invocations_by_kind_and_bucket"].values()) == r["invocations"]
+
+
+def test_async_replay_frees_a_finished_request_one_step_later():
+    """With one request at a time, each request's slot goes to the next one a step later when its
+    last token is read back after the next step is scheduled: one more empty step per request,
+    the same rows and invocations."""
+    argv = ["--chunk", "32", "--inputs", "fixed", "--num-requests", "3", "--output-len", "3"]
+    argv += ["--max-num-seqs", "1", "--modes", "split", "wcpb"]
+    sync = schedule_replay.main([*argv, "--no-async-scheduling"])["modes"]
+    lagged = schedule_replay.main([*argv, "--async-scheduling"])["modes"]
+    for mode in ("split", "wcpb"):
+        a, b = sync[mode], lagged[mode]
+        assert (b["rows"], b["invocations"]) == (a["rows"], a["invocations"])
+        empty_a = a["steps_by_kind_and_loops"]["empty x1"]
+        assert b["steps_by_kind_and_loops"]["empty x1"] == empty_a + 3
+        assert b["steps"] == a["steps"] + 3
