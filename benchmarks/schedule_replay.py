@@ -6,11 +6,10 @@ engine steps, recurrent-core invocations, rows and CUDA-graph bucket rows it wou
 Every request is admitted as soon as `max_num_seqs` allows (the concurrent profile), generates
 `--output-len` tokens at fixed depth, and a stub runner answers each step with token 1, applied
 at once or, with `--async-scheduling`, after the next step is scheduled (as the engine does by
-default). The
-counts explain the matrix's per-invocation measurements: how many steps the host runs (by the
-kinds of rows they carry and their loop count), how many invocations mix decode rows with
-prefill rows, how many padding rows the graph buckets add, and which invocations no graph holds
-(bucket "eager": more tiles than a graph's slots).
+default). The counts explain the matrix's per-invocation measurements: how many steps the host
+runs (by the kinds of rows they carry and their loop count), how many invocations mix decode rows
+with prefill rows, how many padding rows the graph buckets add, and which invocations no graph
+holds (bucket "eager": more tiles than a graph's slots).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.serving.workload import build_workload
-from benchmarks.wcpb_matrix import INPUTS, MODES, mode_settings
+from benchmarks.wcpb_matrix import INPUTS, MODES, add_async_scheduling_flag, mode_settings
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
@@ -34,7 +33,7 @@ from vllm_rlt.worker.graph_tables import graph_specs, select_spec
 DEPTH = 4  # Ouro-1.4B's loops
 
 
-def replay(mode: str, prompt_lens: list[int], args) -> dict:
+def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = False) -> dict:
     config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -49,7 +48,7 @@ def replay(mode: str, prompt_lens: list[int], args) -> dict:
         sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
     specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments)
     counts, buckets, steps = Counter(), Counter(), Counter()
-    async_scheduling, unread = getattr(args, "async_scheduling", False), None
+    unread = None
     while sched.has_unfinished():
         batch = sched.schedule()
         counts["steps"] += 1
@@ -94,9 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--wcpb-cap", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="the matrix's seed + repeat")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
+    add_async_scheduling_flag(
+        p,
         default=False,
         help="model the engine's async scheduling (its default): each step's tokens are applied "
         "after the next step is scheduled, so finished requests free their slots a step later "
@@ -107,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     # the matrix's workload (its prompt lengths; the token ids do not matter here)
     wl = build_workload("concurrent", args.num_requests, INPUTS[args.inputs], 1, 2, seed=args.seed)
     lens = [len(r.prompt_token_ids) for r in wl.requests]
-    result = {"args": vars(args), "modes": {m: replay(m, lens, args) for m in args.modes}}
+    modes = {m: replay(m, lens, args, args.async_scheduling) for m in args.modes}
+    result = {"args": vars(args), "modes": modes}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     for mode, r in result["modes"].items():

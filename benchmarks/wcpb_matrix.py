@@ -80,12 +80,13 @@ METRICS = [
 BUSY = "GPU busy"  # from the profiled rounds
 
 
-def add_async_scheduling_flag(parser: argparse.ArgumentParser) -> None:
+def add_async_scheduling_flag(
+    parser: argparse.ArgumentParser,
+    default: bool = SchedulerConfig.async_scheduling,
+    help: str = "the engine's async scheduling (default: the engine's)",
+) -> None:
     parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=SchedulerConfig.async_scheduling,
-        help="the engine's async scheduling (default: the engine's)",
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=default, help=help
     )
 
 
