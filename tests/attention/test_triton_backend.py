@@ -21,6 +21,7 @@ from vllm_rlt.attention.metadata import AttentionMetadata, build_attention_metad
 from vllm_rlt.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from vllm_rlt.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from vllm_rlt.kernels import attention_splits as splits  # noqa: E402
+from vllm_rlt.kernels import paged_attention as pa  # noqa: E402
 from vllm_rlt.kernels.paged_attention import (  # noqa: E402
     DECODE_CONFIG,
     FINE_DECODE_CONFIG,
@@ -57,6 +58,7 @@ def _make_case(
     dtype: torch.dtype,
     device: str,
     seed: int = 0,
+    tile_rows: int = 16,
 ) -> tuple[torch.Tensor, ...]:
     """Random q/k/v, NaN caches with each segment's history filled, and the metadata."""
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +70,7 @@ def _make_case(
         tables.append(perm[used : used + n])
         used += n
     meta = build_attention_metadata(
-        [s for s, _ in segments], [r for _, r in segments], tables, block_size, device
+        [s for s, _ in segments], [r for _, r in segments], tables, block_size, device, tile_rows
     )
     num_rows = meta.num_rows
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -160,6 +162,24 @@ def test_mixed_fp64(num_splits: int) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     case = _make_case(MIXED, 4, 2, 32, 4, torch.float64, device, seed=11)  # sqrt(32) inexact
     _check(case, FP64_TOL, num_splits)
+
+
+@pytest.mark.parametrize(
+    "heads,tile_rows,launches", [((4, 4), 64, 1), ((4, 4), 16, 2), ((8, 2), 16, 1)]
+)
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_rows_share_a_launch_with_tall_tiles_only(
+    monkeypatch, heads: tuple[int, int], tile_rows: int, launches: int, num_splits: int | None
+) -> None:
+    """Decode and prefill tiles run in one launch when the prefill tiles' row block (rows x
+    GQA group) reaches 64, else in two; the results are right either way."""
+    launched = []
+    real = pa._launch
+    monkeypatch.setattr(pa, "_launch", lambda *a: launched.append(a[0].shape[0]) or real(*a))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    case = _make_case(MIXED, *heads, 16, 4, torch.float32, device, seed=5, tile_rows=tile_rows)
+    _check(case, FP32_TOL, num_splits)
+    assert len(launched) == launches and sum(launched) == case[-1].tile_seg.shape[0]
 
 
 @pytest.mark.parametrize("use_dot", [True, False])

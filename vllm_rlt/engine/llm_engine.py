@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from vllm_rlt.attention.metadata import TILE_ROWS
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch
@@ -82,12 +83,14 @@ class LLMEngine:
         )
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
+        # prefill tiles no taller than a chunk: a 64-row block for 32-row chunks computes padding
+        tile_rows = min(TILE_ROWS, 1 << (sc.chunk_size - 1).bit_length())
         graphs = None
         if not mc.enforce_eager and graphs_supported(self.model):
             max_context = min(c.max_position_embeddings, self.kv_manager.max_tokens_per_request())
             segments = self.scheduler.expected_segments
-            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments)
-            graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context)
+            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments, tile_rows)
+            graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
         self.runner = ModelRunner(
             self.model,
             kv_cache,
@@ -95,6 +98,7 @@ class LLMEngine:
             sc.max_num_seqs,
             self.scheduler.planner.ring_slots * self.scheduler.planner.chunk_size,
             graphs,
+            tile_rows,
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back

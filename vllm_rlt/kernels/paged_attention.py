@@ -3,10 +3,13 @@
 One program handles one tile (rows of one segment: one request at one plane) for one KV head and
 all query heads of its GQA group, and optionally one KV split. It reads the segment's block table,
 streams KV blocks of that plane up to the tile's last position with an fp32 online softmax, and
-masks per row (key position <= row position). Tiles are launched in two classes: one-row tiles
-(decode rows; rows x heads padded to the dot's minimum of 16, or a broadcast-and-sum for MHA) and
-multi-row tiles (prefill chunks; rows x heads form the M side of `tl.dot`). A tile of zero rows
-does nothing: CUDA-graph buckets fill their fixed grids with such tiles (worker/graph_tables.py).
+masks per row (key position <= row position); the per-tile code is in `attention_tile.py`. Tiles
+come in two classes: one-row tiles (decode rows; rows x heads padded to the dot's minimum of 16,
+or a broadcast-and-sum for MHA) and multi-row tiles (prefill chunks; rows x heads form the M side
+of `tl.dot`). Each class has its launch config; beside multi-row tiles of 64 rows x heads or
+more both classes run in one launch (side by side rather than one after the other), else in two.
+A tile of zero rows does nothing: CUDA-graph buckets fill their fixed grids with such tiles
+(worker/graph_tables.py).
 
 When rows are few and contexts long, the KV range is split (flash-decoding): each split writes an
 unnormalised partial output with its running max and sum, and a combine kernel merges them. The
@@ -26,6 +29,7 @@ import triton.language as tl
 
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits, split_policy
+from vllm_rlt.kernels.attention_tile import attend_tile
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
 
@@ -53,97 +57,6 @@ CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # ro
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
 FP32_BLOCK_N = 32
-
-
-@triton.jit
-def _attend_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    bt_ptr,
-    start,
-    kv_end,
-    pos_m,
-    kv_head_off,
-    stride_block,
-    stride_slot,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    MASKED: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
-    F64: tl.constexpr,
-):
-    """One BLOCK_N step of the online softmax; MASKED adds the range and causal masks.
-
-    fp32 accumulation works in the log2 domain (qk_scale includes log2(e)); fp64 (ACC, exactness
-    runs) in the natural one, with the scale computed in fp64 (a float argument arrives as fp32).
-    """
-    offs_n = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_PAD)
-    if MASKED:
-        in_range = offs_n < kv_end
-        blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
-    else:
-        blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE)
-    base = blk.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head_off
-    k_ptrs = k_cache_ptr + base[None, :] + offs_d[:, None]  # K^T: [HEAD_PAD, BLOCK_N]
-    v_ptrs = v_cache_ptr + base[:, None] + offs_d[None, :]  # V: [BLOCK_N, HEAD_PAD]
-    if HEAD_PAD != HEAD_DIM:  # head_dim padded up to the dot's minimum K of 16
-        d_ok = offs_d < HEAD_DIM
-        if MASKED:
-            kt = tl.load(k_ptrs, mask=in_range[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=in_range[:, None] & d_ok[None, :], other=0.0)
-        else:
-            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    elif MASKED:
-        kt = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-    else:
-        kt = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-
-    if USE_DOT:
-        if UPCAST or F64:
-            s = tl.dot(q.to(ACC), kt.to(ACC))
-        else:
-            s = tl.dot(q, kt, input_precision=PRECISION)
-    else:
-        s = tl.sum(q.to(ACC)[:, :, None] * kt.to(ACC)[None, :, :], axis=1)
-    if F64:  # noqa: SIM108 (constexpr branches: only one is compiled)
-        s = s * (1.0 / tl.sqrt(tl.full([1, 1], HEAD_DIM, tl.float64)))
-    else:
-        s = s * qk_scale
-    if MASKED:
-        s = tl.where(offs_n[None, :] <= pos_m[:, None], s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-    if F64:
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-    else:
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if USE_DOT:
-        if UPCAST or F64:
-            acc += tl.dot(p.to(v.dtype).to(ACC), v.to(ACC))
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-    else:
-        acc += tl.sum(p[:, :, None] * v.to(ACC)[None, :, :], axis=1)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -175,6 +88,7 @@ def _paged_attention_kernel(
     num_splits,
     min_split_len,
     qk_scale,
+    num_one,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
@@ -191,75 +105,38 @@ def _paged_attention_kernel(
     ACC: tl.constexpr,
     F64: tl.constexpr,
     GDC: tl.constexpr,
+    BOTH: tl.constexpr,
+    BLOCK_MG_ONE: tl.constexpr,
+    BLOCK_N_ONE: tl.constexpr,
+    USE_DOT_ONE: tl.constexpr,
 ):
+    """One program per (tile, KV head, split). BOTH: the grid holds both classes, the first
+    `num_one` tiles one-row (row block BLOCK_MG_ONE, KV step BLOCK_N_ONE), the rest multi-row,
+    so that decode rows and prefill chunks of one invocation run side by side."""
     release_dependents(GDC)  # the combine or the output projection may start
     tile = tl.load(tile_ids_ptr + tl.program_id(0))  # tables: written before the invocation
     nrows = tl.load(tile_num_rows_ptr + tile)
     # q and this invocation's K/V come from the kernels before this one; every program waits,
     # so that this launch (even of padding tiles alone) ends after them
     wait_for_primary(GDC)
-    if nrows == 0:  # a padding tile (CUDA-graph buckets fill fixed grids with them)
-        return
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seg = tl.load(tile_seg_ptr + tile)
-    row0 = tl.load(tile_row_start_ptr + tile)
-    pos0 = tl.load(seg_token_starts_ptr + seg) + row0 - tl.load(seg_row_starts_ptr + seg)
-
-    # M side of the tile: index m = r * GROUP_P2 + g is row r, query head kv_head * GROUP + g.
-    offs_m = tl.arange(0, BLOCK_MG)
-    r = offs_m // GROUP_P2
-    g = offs_m % GROUP_P2
-    valid = (r < nrows) & (g < GROUP)
-    row = row0 + r
-    head = kv_head * GROUP + g
-    pos_m = pos0 + tl.minimum(r, nrows - 1)  # padding rows copy a real row: never all-masked
-    offs_d = tl.arange(0, HEAD_PAD)
-    io_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q_ptrs = q_ptr + row.to(tl.int64)[:, None] * stride_q_row + head[:, None] * stride_q_head
-    q = tl.load(q_ptrs + offs_d[None, :], mask=io_mask, other=0.0)
-
-    context = pos0 + nrows  # keys the tile's last row sees
-    split_len = tl.cdiv(tl.cdiv(context, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
-    split_len = tl.maximum(split_len, min_split_len)
-    kv_start = split * split_len
-    if kv_start >= context:  # past the tile's context: the combine never reads this split
-        return
-    if SPLIT and split == 0 and kv_head == 0:  # the combine's per-row split length
-        tl.store(split_len_ptr + row, split_len, mask=valid & (g == 0))
-    kv_end = tl.minimum(context, kv_start + split_len)
-    # Keys below pos0 + 1 are visible to every row of the tile: no mask needed there.
-    num_full = tl.maximum(tl.minimum(kv_end, pos0 + 1) - kv_start, 0) // BLOCK_N
-    full_end = kv_start + num_full * BLOCK_N
-    bt_ptr = block_tables_ptr + seg.to(tl.int64) * stride_bt
-    kv_head_off = kv_head * stride_kv_head
-
-    m_i = tl.full([BLOCK_MG], float("-inf"), ACC)
-    l_i = tl.zeros([BLOCK_MG], ACC)
-    acc = tl.zeros([BLOCK_MG, HEAD_PAD], ACC)
-    for start in range(kv_start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
-            kv_head_off, stride_block, stride_slot, qk_scale,
-            HEAD_DIM, HEAD_PAD, BLOCK_N, BLOCK_SIZE, False, USE_DOT, UPCAST, PRECISION, ACC, F64,
+    if nrows > 0:  # zero rows: a padding tile (CUDA-graph buckets fill fixed grids with them)
+        args = (
+            out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+            tile, nrows, tile_seg_ptr, tile_row_start_ptr, seg_row_starts_ptr,
+            seg_token_starts_ptr, block_tables_ptr, split_len_ptr, stride_q_row, stride_q_head,
+            stride_o_row, stride_o_head, stride_block, stride_slot, stride_kv_head, stride_bt,
+            num_rows, num_splits, min_split_len, qk_scale,
         )  # fmt: skip
-    for start in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
-            kv_head_off, stride_block, stride_slot, qk_scale,
-            HEAD_DIM, HEAD_PAD, BLOCK_N, BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64,
-        )  # fmt: skip
-
-    if SPLIT:
-        # Rows this split does not reach are never read by the combine (see _combine_kernel).
-        part = (split * num_rows + row.to(tl.int64)) * NUM_HEADS + head
-        tl.store(part_m_ptr + part, m_i, mask=valid)
-        tl.store(part_l_ptr + part, l_i, mask=valid)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=io_mask)
-    else:
-        out = acc / l_i[:, None]
-        o_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_o_row + head[:, None] * stride_o_head
-        tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+        if BOTH and tl.program_id(0) < num_one:
+            attend_tile(
+                *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG_ONE, HEAD_DIM, HEAD_PAD, BLOCK_N_ONE,
+                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT_ONE, UPCAST, PRECISION, ACC, F64,
+            )  # fmt: skip
+        else:
+            attend_tile(
+                *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG, HEAD_DIM, HEAD_PAD, BLOCK_N,
+                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT, UPCAST, PRECISION, ACC, F64,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -308,7 +185,15 @@ def _combine_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _launch_class(
+def _row_block(rows_per_tile: int, group: int, use_dot: bool) -> tuple[int, bool]:
+    """M side of a tile's dot (rows x padded GQA group, at least 16 with `tl.dot`) and whether
+    the launch uses `tl.dot`."""
+    block_mg = triton.next_power_of_2(rows_per_tile) * triton.next_power_of_2(group)
+    use_dot = use_dot or block_mg > 1
+    return (max(block_mg, 16) if use_dot else block_mg), use_dot
+
+
+def _launch(
     tile_ids: torch.Tensor,
     rows_per_tile: int,
     cfg: LaunchConfig,
@@ -317,18 +202,20 @@ def _launch_class(
     num_kv_heads: int,
     num_splits: int,
     constexprs: dict,
+    one: tuple[int, LaunchConfig] | None = None,
 ) -> None:
-    group_p2 = triton.next_power_of_2(group)
-    block_mg = triton.next_power_of_2(rows_per_tile) * group_p2
-    use_dot = cfg.use_dot or block_mg > 1
-    if use_dot:
-        block_mg = max(block_mg, 16)
+    """One launch over `tile_ids`; with `one` = (k, decode config), its first k tiles are
+    one-row tiles run with the decode config's row block, KV step and inner product."""
+    block_mg, use_dot = _row_block(rows_per_tile, group, cfg.use_dot)
+    num_one, one_cfg = one if one is not None else (0, cfg)
+    block_mg_one, use_dot_one = _row_block(1, group, one_cfg.use_dot)
     grid = (tile_ids.shape[0], num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        *common[:7], tile_ids, *common[7:],
-        GROUP=group, GROUP_P2=group_p2, BLOCK_MG=block_mg, BLOCK_N=cfg.block_n,
-        USE_DOT=use_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
-        **launch_options(constexprs["GDC"]),
+        *common[:7], tile_ids, *common[7:], num_one,
+        GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_MG=block_mg,
+        BLOCK_N=cfg.block_n, USE_DOT=use_dot, BOTH=one is not None, BLOCK_MG_ONE=block_mg_one,
+        BLOCK_N_ONE=one_cfg.block_n, USE_DOT_ONE=use_dot_one, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **constexprs, **launch_options(constexprs["GDC"]),
     )  # fmt: skip
 
 
@@ -375,8 +262,8 @@ def paged_attention(
         decode_config = replace(DECODE_CONFIG, block_n=FP32_BLOCK_N)
     elif decode_config is None:
         decode_config = decode_config_for(programs, decode_only, num_sms)
+    big = triton.next_power_of_2(meta.max_tile_rows) * triton.next_power_of_2(group) >= 64
     if chunk_config is None:
-        big = triton.next_power_of_2(meta.max_tile_rows) * triton.next_power_of_2(group) >= 64
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
         chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config
     block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
@@ -421,10 +308,17 @@ def paged_attention(
         GDC=pdl(q.device),
     )
     args = (common, group, num_kv_heads, num_splits, constexprs)
-    if num_one > 0:
-        _launch_class(meta.tile_order[:num_one], 1, decode_config, *args)
-    if num_one < num_tiles:
-        _launch_class(meta.tile_order[num_one:], meta.max_tile_rows, chunk_config, *args)
+    tiles = meta.tile_order
+    if 0 < num_one < num_tiles and big:
+        # decode rows beside prefill tiles of 64 rows (x group): one launch, side by side; beside
+        # shorter tiles the two launches measured faster (docs/benchmarks/attention-merged.md)
+        one_cfg = replace(decode_config, block_n=min(decode_config.block_n, chunk_config.block_n))
+        _launch(tiles, meta.max_tile_rows, chunk_config, *args, (num_one, one_cfg))
+    else:
+        if num_one > 0:
+            _launch(tiles[:num_one], 1, decode_config, *args)
+        if num_one < num_tiles:
+            _launch(tiles[num_one:], meta.max_tile_rows, chunk_config, *args)
     if num_splits > 1:
         _combine_kernel[(num_rows, num_heads)](
             out, part_acc, part_m, part_l, meta.positions, split_len, out.stride(0),

@@ -57,11 +57,14 @@ class ModelRunner:
         max_num_seqs: int,
         max_ring_rows: int,
         graphs: CudaGraphRunner | None = None,
+        tile_rows: int = TILE_ROWS,
     ):
         """`graphs`: runs the invocations its buckets admit over static buffers (None: all
-        eager)."""
+        eager); `tile_rows`: rows per multi-row attention tile of eager invocations (the graph
+        runner's own)."""
         self.model = model
         self.graphs = graphs
+        self.tile_rows = tile_rows
         self.kv_cache = kv_cache
         self.num_planes = num_planes
         self.num_loops = model.num_loops
@@ -207,7 +210,9 @@ class ModelRunner:
         if static is not None:
             return static, static.meta, static.index, static.hidden
         block_size = self.kv_cache.block_size
-        meta = build_attention_metadata(starts, counts, tables, block_size, self.device, TILE_ROWS)
+        meta = build_attention_metadata(
+            starts, counts, tables, block_size, self.device, self.tile_rows
+        )
         index = to_device(state_rows, torch.int64, self.device)
         return None, meta, index, buffer[index]
 

@@ -1,0 +1,216 @@
+"""The device code of paged attention for one tile: one KV head of one tile's rows, over one KV
+split (`paged_attention.py` launches it; the tile tables are in `attention/metadata.py`).
+
+`attend_tile` loads the tile's queries (rows x GQA group on the M side), walks its split of the
+KV range in steps of BLOCK_N with an online softmax (`_attend_block`; the causal mask only in
+the steps past the tile's first position), and stores the normalised output, or, split, the
+partial with its running max and sum for the combine.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_ptr,
+    start,
+    kv_end,
+    pos_m,
+    kv_head_off,
+    stride_block,
+    stride_slot,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """One BLOCK_N step of the online softmax; MASKED adds the range and causal masks.
+
+    fp32 accumulation works in the log2 domain (qk_scale includes log2(e)); fp64 (ACC, exactness
+    runs) in the natural one, with the scale computed in fp64 (a float argument arrives as fp32).
+    """
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    if MASKED:
+        in_range = offs_n < kv_end
+        blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
+    else:
+        blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE)
+    base = blk.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head_off
+    k_ptrs = k_cache_ptr + base[None, :] + offs_d[:, None]  # K^T: [HEAD_PAD, BLOCK_N]
+    v_ptrs = v_cache_ptr + base[:, None] + offs_d[None, :]  # V: [BLOCK_N, HEAD_PAD]
+    if HEAD_PAD != HEAD_DIM:  # head_dim padded up to the dot's minimum K of 16
+        d_ok = offs_d < HEAD_DIM
+        if MASKED:
+            kt = tl.load(k_ptrs, mask=in_range[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=in_range[:, None] & d_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    elif MASKED:
+        kt = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+
+    if USE_DOT:
+        if UPCAST or F64:
+            s = tl.dot(q.to(ACC), kt.to(ACC))
+        else:
+            s = tl.dot(q, kt, input_precision=PRECISION)
+    else:
+        s = tl.sum(q.to(ACC)[:, :, None] * kt.to(ACC)[None, :, :], axis=1)
+    if F64:  # noqa: SIM108 (constexpr branches: only one is compiled)
+        s = s * (1.0 / tl.sqrt(tl.full([1, 1], HEAD_DIM, tl.float64)))
+    else:
+        s = s * qk_scale
+    if MASKED:
+        s = tl.where(offs_n[None, :] <= pos_m[:, None], s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    if F64:
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if USE_DOT:
+        if UPCAST or F64:
+            acc += tl.dot(p.to(v.dtype).to(ACC), v.to(ACC))
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    else:
+        acc += tl.sum(p[:, :, None] * v.to(ACC)[None, :, :], axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attend_tile(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tile,
+    nrows,
+    tile_seg_ptr,
+    tile_row_start_ptr,
+    seg_row_starts_ptr,
+    seg_token_starts_ptr,
+    block_tables_ptr,
+    split_len_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_o_row,
+    stride_o_head,
+    stride_block,
+    stride_slot,
+    stride_kv_head,
+    stride_bt,
+    num_rows,
+    num_splits,
+    min_split_len,
+    qk_scale,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    BLOCK_MG: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+    F64: tl.constexpr,
+):
+    """One tile (of `nrows` > 0 rows) for one KV head and one KV split."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seg = tl.load(tile_seg_ptr + tile)
+    row0 = tl.load(tile_row_start_ptr + tile)
+    pos0 = tl.load(seg_token_starts_ptr + seg) + row0 - tl.load(seg_row_starts_ptr + seg)
+
+    # M side of the tile: index m = r * GROUP_P2 + g is row r, query head kv_head * GROUP + g.
+    offs_m = tl.arange(0, BLOCK_MG)
+    r = offs_m // GROUP_P2
+    g = offs_m % GROUP_P2
+    valid = (r < nrows) & (g < GROUP)
+    row = row0 + r
+    head = kv_head * GROUP + g
+    pos_m = pos0 + tl.minimum(r, nrows - 1)  # padding rows copy a real row: never all-masked
+    offs_d = tl.arange(0, HEAD_PAD)
+    io_mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q_ptrs = q_ptr + row.to(tl.int64)[:, None] * stride_q_row + head[:, None] * stride_q_head
+    q = tl.load(q_ptrs + offs_d[None, :], mask=io_mask, other=0.0)
+
+    context = pos0 + nrows  # keys the tile's last row sees
+    split_len = tl.cdiv(tl.cdiv(context, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    split_len = tl.maximum(split_len, min_split_len)
+    kv_start = split * split_len
+    # past the tile's context (kv_start >= context) a split does nothing: the combine never
+    # reads it
+    if kv_start < context:
+        if SPLIT and split == 0 and kv_head == 0:  # the combine's per-row split length
+            tl.store(split_len_ptr + row, split_len, mask=valid & (g == 0))
+        kv_end = tl.minimum(context, kv_start + split_len)
+        # Keys below pos0 + 1 are visible to every row of the tile: no mask needed there.
+        num_full = tl.maximum(tl.minimum(kv_end, pos0 + 1) - kv_start, 0) // BLOCK_N
+        full_end = kv_start + num_full * BLOCK_N
+        bt_ptr = block_tables_ptr + seg.to(tl.int64) * stride_bt
+        kv_head_off = kv_head * stride_kv_head
+
+        m_i = tl.full([BLOCK_MG], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_MG], ACC)
+        acc = tl.zeros([BLOCK_MG, HEAD_PAD], ACC)
+        for start in range(kv_start, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
+                kv_head_off, stride_block, stride_slot, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_N,
+                BLOCK_SIZE, False, USE_DOT, UPCAST, PRECISION, ACC, F64,
+            )  # fmt: skip
+        for start in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
+                kv_head_off, stride_block, stride_slot, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_N,
+                BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64,
+            )  # fmt: skip
+
+        if SPLIT:
+            # Rows this split does not reach are never read by the combine kernel.
+            part = (split * num_rows + row.to(tl.int64)) * NUM_HEADS + head
+            tl.store(part_m_ptr + part, m_i, mask=valid)
+            tl.store(part_l_ptr + part, l_i, mask=valid)
+            acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+            tl.store(acc_ptrs, acc, mask=io_mask)
+        else:
+            out = acc / l_i[:, None]
+            o_ptrs = (
+                out_ptr + row.to(tl.int64)[:, None] * stride_o_row + head[:, None] * stride_o_head
+            )
+            tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
