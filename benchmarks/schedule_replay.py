@@ -21,6 +21,7 @@ from pathlib import Path
 
 from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import INPUTS, MODES, add_async_scheduling_flag, mode_settings
+from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
@@ -46,7 +47,10 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
     for i, n in enumerate(prompt_lens):
         exits = ExitSettings(1, DEPTH, 1.0)
         sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
-    specs = graph_specs(args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments)
+    tile_rows = tile_rows_for(config.chunk_size)  # the engine's
+    specs = graph_specs(
+        args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments, tile_rows
+    )
     counts, buckets, steps = Counter(), Counter(), Counter()
     unread = None
     while sched.has_unfinished():
@@ -61,7 +65,8 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
                 break
             rows = [t.num_tokens for t in live]
             decode = sum(t.kind is RowKind.DECODE for t in live)
-            spec = select_spec(specs, rows)  # None: no graph holds its tiles, it runs eagerly
+            # None: no graph holds its tiles, it runs eagerly
+            spec = select_spec(specs, rows, tile_rows)
             bucket = sum(rows) if spec is None else spec.num_rows
             kind = "mixed" if decode and decode < sum(rows) else "decode" if decode else "prefill"
             counts["invocations"] += 1

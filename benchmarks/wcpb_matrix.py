@@ -154,6 +154,7 @@ def run_one(
         }
         if profiled:
             out["gpu_busy_fraction"] = gpu["gpu_busy_s"] / duration
+            out["gpu_kernels"] = gpu["gpu_kernels"]  # where the GPU time went, by kernel
         return out
 
     result = asyncio.run(go())

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks.serving.metrics import RequestRecord, gpu_busy_seconds
+from benchmarks.serving.metrics import RequestRecord, device_time_by_name, gpu_busy_seconds
 from benchmarks.serving.workload import RequestSpec, Workload
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -49,7 +49,8 @@ async def _replay(workload: Workload, send: SendFn) -> tuple[list[RequestRecord]
 @contextlib.contextmanager
 def gpu_activity():
     """Record the GPU's kernels, copies and memsets (CUPTI activity only, no host-op tracing)
-    while the block runs; on exit the yielded dict gets `gpu_busy_s`, their merged duration.
+    while the block runs; on exit the yielded dict gets `gpu_busy_s`, their merged duration, and
+    `gpu_kernels`, the 20 activity names with the most GPU time ([name, us, count]).
     Recording adds a little host time per launch, so runs measured this way are reported
     apart from timed runs."""
     from torch.profiler import ProfilerActivity, profile
@@ -60,7 +61,9 @@ def gpu_activity():
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        result["gpu_busy_s"] = gpu_busy_seconds(json.loads(trace.read_text())["traceEvents"])
+        events = json.loads(trace.read_text())["traceEvents"]
+        result["gpu_busy_s"] = gpu_busy_seconds(events)
+        result["gpu_kernels"] = device_time_by_name(events)[:20]
 
 
 async def run_inprocess(engine, workload: Workload, tag: str = "bench"):

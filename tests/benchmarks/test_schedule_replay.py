@@ -41,7 +41,9 @@ def test_replay_counts_every_mode_running_the_same_rows(tmp_path):
 def test_replay_counts_invocations_no_graph_holds(monkeypatch):
     # graphs sized for one segment: WCPB's invocations of several pieces run eagerly
     specs = schedule_replay.graph_specs
-    monkeypatch.setattr(schedule_replay, "graph_specs", lambda s, b, segments: specs(s, b, 1))
+    monkeypatch.setattr(
+        schedule_replay, "graph_specs", lambda s, b, segments, rows: specs(s, b, 1, rows)
+    )
     argv = ["--chunk", "32", "--inputs", "fixed", "--num-requests", "4", "--output-len", "2"]
     result = schedule_replay.main([*argv, "--max-num-batched-tokens", "256", "--modes", "wcpb"])
     r = result["modes"]["wcpb"]

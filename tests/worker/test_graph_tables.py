@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_rlt.attention.metadata import HostMetadata
+from vllm_rlt.attention.metadata import TILE_ROWS, HostMetadata, tile_rows_for
 from vllm_rlt.worker.graph_tables import (
     DECODE_BUCKETS,
     MIXED_BUCKETS,
@@ -51,6 +51,16 @@ def test_graph_specs():
     assert max(s.num_rows for s in graph_specs(8, 5000, 40)) == 2048
     assert [s.num_rows for s in graph_specs(4, 3, 8)] == [1, 2, 3, 3]
     assert graph_specs(4, 1, 8) == (GraphSpec(1, 1, 0),)
+
+
+def test_tile_rows_follow_the_chunk_size():
+    """Tiles as tall as a chunk (a power of two), at most TILE_ROWS; 32-token chunks get 32-row
+    tiles, so their graphs' multi-row slots cover every row of a 1024-row budget."""
+    assert [tile_rows_for(c) for c in (1, 2, 20, 32, 33, 64, 128, 512)] == [
+        1, 2, 32, 32, 64, 64, 64, 64,
+    ]  # fmt: skip
+    assert TILE_ROWS == 64
+    assert graph_specs(8, 1024, 40, tile_rows_for(32))[-1] == GraphSpec(1024, 40, 32 + 40)
 
 
 def test_tile_counts():

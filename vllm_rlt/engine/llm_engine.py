@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from vllm_rlt.attention.metadata import TILE_ROWS
+from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch
@@ -83,8 +83,7 @@ class LLMEngine:
         )
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
-        # prefill tiles no taller than a chunk: a 64-row block for 32-row chunks computes padding
-        tile_rows = min(TILE_ROWS, 1 << (sc.chunk_size - 1).bit_length())
+        tile_rows = tile_rows_for(sc.chunk_size)
         graphs = None
         if not mc.enforce_eager and graphs_supported(self.model):
             max_context = min(c.max_position_embeddings, self.kv_manager.max_tokens_per_request())
