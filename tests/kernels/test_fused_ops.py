@@ -4,7 +4,7 @@ On CPU they run under the Triton interpreter; `gpu` variants run the same checks
 no reduction and must match bit for bit in every dtype. RMSNorm and SwiGLU differ only in the
 summation order of the sum of squares and in the exp of silu: fp32 within a few ulps (rel 1e-6),
 fp64 within 1e-14, and bf16 equal to the torch result in almost every entry and never more than
-one bf16 ulp away.
+one bf16 ulp away. The exit gate's dot product is checked against the exact sum.
 """
 
 from __future__ import annotations
@@ -96,6 +96,29 @@ def test_silu_mul(device, dtype, intermediate):
     assert_matches_torch(fused_ops.silu_mul(gate_up), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 2048])
+def test_gate_logits_within_the_summation_bound(device, dtype, hidden):
+    """The exit gate's logit in the accumulation dtype, against the exact dot product: within
+    the bound gamma_(n+1) * sum |terms| of any summation order (the bf16 and fp64 products are
+    exact in the accumulation dtype; fp32 products add one rounding each, u |x_i w_i|)."""
+    gate = torch.nn.Linear(hidden, 1).to(device=device, dtype=dtype)
+    x = randn(7, hidden + 5, dtype=dtype, device=device, seed=8, scale=2.0)[:, 5:]
+    got = fused_ops.gate_logits(x, gate.weight, gate.bias)
+    acc = torch.promote_types(dtype, torch.float32)
+    assert got.dtype == acc and got.shape == (7,)
+    terms = x.double() * gate.weight.double()
+    exact = terms.sum(1) + gate.bias.double()
+    u = torch.finfo(acc).eps / 2
+    n = hidden + 1
+    bound = n * u / (1 - n * u) * (terms.abs().sum(1) + gate.bias.double().abs())
+    if dtype == torch.float32:
+        bound += u * terms.abs().sum(1)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert fused_ops.gate_logits(x[:0], gate.weight, gate.bias).shape == (0,)
+
+
 def test_empty_rows_and_bad_inputs():
     norm = make_norm(16, 1e-6, torch.float32, "cpu", 0)
     assert fused_ops.rms_norm(torch.empty(0, 16), norm.weight, 1e-6).shape == (0, 16)
@@ -107,3 +130,5 @@ def test_empty_rows_and_bad_inputs():
     cos = torch.ones(2, 1, 8)
     with pytest.raises(ValueError, match="columns"):
         fused_ops.rope_qk_(torch.ones(2, 40), cos, cos, 2, 2, 8)
+    with pytest.raises(ValueError, match="one logit"):
+        fused_ops.gate_logits(torch.ones(2, 16), torch.ones(2, 16), torch.ones(2))

@@ -6,13 +6,15 @@
 - `rope_qk_`: RoPE on the q and k parts of a fused QKV projection output, in place, returning
   q, k, v as views of it.
 - `silu_mul`: SwiGLU's `silu(gate) * up` from a fused gate/up projection output.
+- `gate_logits`: the early-exit gate's logit x . w + b of every row, in fp32 (fp64 for fp64).
 
 Numerics follow the torch path (`vllm_rlt.models.layers`) op by op: statistics and arithmetic in
 fp32 (fp64 for fp64 inputs), and each result rounded to the activation dtype wherever the torch
 path rounds it (the normalised value before the weight multiplies, each product and sum of RoPE,
 silu before the multiply by up). Launches pass `enable_fp_fusion=False` so no multiply is fused
 into a following add (torch rounds the product first). What remains different is the summation
-order of the sum of squares (an ulp of the statistic) and the exp inside silu (library ulps).
+order of the sum of squares (an ulp of the statistic) and of the gate's dot product, and the exp
+inside silu (library ulps).
 The layer-kernel choice (`vllm_rlt.models.layer_kernels`) uses these on CUDA.
 """
 
@@ -291,5 +293,47 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), n,
             BLOCK=block, ACC=_acc(gate_up.dtype), GDC=pdl(gate_up.device), num_warps=4,
             **NO_FMA,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _gate_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    stride_x,
+    n,
+    BLOCK: tl.constexpr,
+    ACC: tl.constexpr,
+    GDC: tl.constexpr,
+):
+    """One row per program: out = x . w + b, every operand converted to ACC first."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(ACC)  # no kernel writes the weights
+    b = tl.load(b_ptr).to(ACC)
+    wait_for_primary(GDC)  # x is the norm kernel's output
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
+    tl.store(out_ptr + row, tl.sum(x * w, axis=0) + b)
+
+
+def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x: [R, H]; weight [1, H] and bias [1] of an `nn.Linear(H, 1)` in x's dtype -> the logits
+    x . weight + bias, [R] in fp32 (fp64 for fp64 x): the torch path's linear on operands
+    converted to that dtype, in one launch."""
+    _check_rows(x)
+    _check_weights(x.dtype, weight, bias)
+    if weight.shape != (1, x.shape[1]) or bias.shape != (1,):
+        raise ValueError(f"gate weight {tuple(weight.shape)} / bias {tuple(bias.shape)} "
+                         f"do not map {x.shape[1]} features to one logit")  # fmt: skip
+    acc = torch.promote_types(x.dtype, torch.float32)
+    out = torch.empty(x.shape[0], device=x.device, dtype=acc)
+    if x.shape[0]:
+        _gate_kernel[(x.shape[0],)](
+            x, weight, bias, out, x.stride(0), x.shape[1], ACC=_acc(x.dtype),
+            **_norm_launch(x),
         )  # fmt: skip
     return out

@@ -9,16 +9,18 @@ A model calls four operations per layer through one of these strategies:
   whether it also wrote k and v into the KV cache `kv` (the attention backend writes them
   otherwise);
 - `swiglu(mlp, x)`: the MLP;
-- `out_proj(attn, x)`: attention's output projection.
+- `out_proj(attn, x)`: attention's output projection;
+- `exit_gate(x, gate)`: the early-exit gate's logit of each end-of-loop row, in fp32 (fp64 for
+  an fp64 model).
 
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
 on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
-`layers.FusesLinears`) and one Triton launch per norm pair, per RoPE and per SwiGLU activation
-(`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the projections of
-invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead of cuBLAS, the
-SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by the q/k/v GEMM
-for up to 8 rows (docs/benchmarks/layer-kernels.md).
+`layers.FusesLinears`) and one Triton launch per norm pair, per RoPE, per SwiGLU activation and
+per exit gate (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the
+projections of invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead
+of cuBLAS, the SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by
+the q/k/v GEMM for up to 8 rows (docs/benchmarks/layer-kernels.md).
 Inference only (no autograd through Triton).
 """
 
@@ -30,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
+from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding, acc_dtype
 
 LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
 # where a layer's k and v go: (k_cache, v_cache [num_blocks, block_size, Hkv, d], slots [R])
@@ -65,6 +67,10 @@ class LayerKernels(Protocol):
         """x: [R, Hq * d] attention output -> o_proj(x) [R, H]."""
         ...
 
+    def exit_gate(self, x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
+        """x: [R, H] end-of-loop norm -> gate(x) [R] computed in `acc_dtype(x.dtype)`."""
+        ...
+
 
 class TorchLayerKernels:
     name = "torch"
@@ -88,6 +94,11 @@ class TorchLayerKernels:
 
     def out_proj(self, attn, x):
         return attn.o_proj(x)
+
+    def exit_gate(self, x, gate):
+        acc = acc_dtype(x.dtype)
+        logit = nn.functional.linear(x.to(acc), gate.weight.to(acc), gate.bias.to(acc))
+        return logit.squeeze(-1)
 
 
 class FusedLayerKernels:
@@ -120,6 +131,9 @@ class FusedLayerKernels:
 
     def out_proj(self, attn, x):
         return self.linear(x, attn.o_proj.weight)
+
+    def exit_gate(self, x, gate):
+        return self.ops.gate_logits(x, gate.weight, gate.bias)
 
 
 class SkinnyLayerKernels(FusedLayerKernels):

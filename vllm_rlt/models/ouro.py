@@ -19,7 +19,7 @@ from torch import nn
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.models.layer_kernels import LAYER_KERNELS, LayerKernels, get_layer_kernels
-from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP, acc_dtype
+from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 
 class UnsupportedConfigError(ValueError):
@@ -250,10 +250,7 @@ class OuroForCausalLM(nn.Module):
             k_cache, v_cache = kv.layer(i)
             h, x = layer(h, x, next_norm, rope, attn_metadata, k_cache, v_cache, kernels)
         # x is the end-of-loop norm of h (the last layer's next norm)
-        gate = self.model.early_exit_gate
-        acc = acc_dtype(x.dtype)  # the gate runs in fp32 (fp64 for an fp64 model)
-        gate_logit = torch.nn.functional.linear(x.to(acc), gate.weight.to(acc), gate.bias.to(acc))
-        return x, gate_logit.squeeze(-1)
+        return x, kernels.exit_gate(x, self.model.early_exit_gate)
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V] (in the model dtype)."""
