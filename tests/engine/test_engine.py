@@ -8,6 +8,7 @@ import random
 import pytest
 
 from tests.engine.harness import Job, kv_all_free, make_engine, run_batched
+from vllm_rlt.attention.metadata import TILE_ROWS
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.llm import LLM
 from vllm_rlt.models.tiny import write_tiny_ouro
@@ -205,6 +206,14 @@ def test_stats_count_rows_and_loops(model_dir):
     assert s["rows_per_invocation"] > 1 and s["tasks_per_invocation"] >= 1
     depth_rows = [s[f"rows_at_depth_{d}"] for d in range(4)]
     assert sum(depth_rows) == s["rows"] and depth_rows[0] >= depth_rows[3]
+
+
+def test_prefill_tiles_are_as_tall_as_a_chunk(model_dir):
+    """Eager invocations (and the CUDA graphs) cut prefill segments into attention tiles of the
+    chunk size rounded up to a power of two, at most TILE_ROWS."""
+    assert engine(model_dir, prefill_chunk_size=3, max_num_batched_tokens=8).runner.tile_rows == 4
+    eng = engine(model_dir, prefill_chunk_size=100, max_num_batched_tokens=256)
+    assert eng.runner.tile_rows == TILE_ROWS == 64
 
 
 def _finish(eng):
