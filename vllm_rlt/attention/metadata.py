@@ -18,8 +18,9 @@ import torch
 
 from vllm_rlt.worker.host_copy import to_device
 
-# rows per attention tile in the engine: chunk rows share KV loads (64 measured best for 128-token
-# chunks on the H200, docs/benchmarks/attention-microbench.md); decode rows get one-row tiles
+# most rows per attention tile in the engine (`tile_rows_for`): chunk rows share KV loads (64
+# measured best for 128-token chunks on the H200, docs/benchmarks/attention-microbench.md); decode
+# rows get one-row tiles
 TILE_ROWS = 64
 
 
@@ -47,9 +48,9 @@ class AttentionMetadata:
     seg_row_starts_host: tuple[int, ...]  # host copy of seg_row_starts
     seg_token_starts_host: tuple[int, ...]  # host copy of seg_token_starts
     max_context: int  # largest number of KV positions any row sees
-    tile_order: torch.Tensor  # [T] int32: tile indices, one-row tiles first (one launch per class)
-    num_one_row_tiles: int  # length of the one-row launch: the head of tile_order (decode rows)
-    max_tile_rows: int  # row block of the multi-row launch: >= the rows of every tile in it
+    tile_order: torch.Tensor  # [T] int32: tile indices, one-row tiles first (launch order)
+    num_one_row_tiles: int  # one-row tiles (decode rows): the head of tile_order
+    max_tile_rows: int  # row block of the multi-row tiles: >= the rows of every tile in it
     num_splits: int | None = None  # KV splits per tile fixed for this invocation; None: chosen
 
     @property
