@@ -26,6 +26,7 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
+from vllm_rlt.models.layers import acc_dtype
 
 NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
 # The interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even): round by hand there.
@@ -329,8 +330,7 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     if weight.shape != (1, x.shape[1]) or bias.shape != (1,):
         raise ValueError(f"gate weight {tuple(weight.shape)} / bias {tuple(bias.shape)} "
                          f"do not map {x.shape[1]} features to one logit")  # fmt: skip
-    acc = torch.promote_types(x.dtype, torch.float32)
-    out = torch.empty(x.shape[0], device=x.device, dtype=acc)
+    out = torch.empty(x.shape[0], device=x.device, dtype=acc_dtype(x.dtype))
     if x.shape[0]:
         _gate_kernel[(x.shape[0],)](
             x, weight, bias, out, x.stride(0), x.shape[1], ACC=_acc(x.dtype),

@@ -168,7 +168,7 @@ class Scheduler:
         ready = [r for r in decoding if r.ready_loops is not None]
         cohort_done = len(ready) == len(decoding)
         hold_all = self.config.scheduling_mode == "no_refill" and not cohort_done
-        hold_next = not cohort_done and self._phase_hold(decoding, ready)
+        hold_next = bool(ready) and not cohort_done and self._phase_hold(decoding, ready)
         tasks, samples = [], []
         for req in decoding:
             if req.ready_loops is not None:
