@@ -104,7 +104,8 @@ class CudaGraphRunner:
         graph admits the invocation (too many rows or tiles, or a position at or past
         `max_context`): it then runs eagerly."""
         ends = (s + n for s, n in zip(token_starts, num_rows, strict=True))
-        if max(ends) > self.max_context:
+        # more rows than the largest graph: no tables to build, the eager path builds its own
+        if sum(num_rows) > self._hidden.shape[0] or max(ends) > self.max_context:
             return None
         block_size = self.kv_cache.block_size
         host = HostMetadata.build(token_starts, num_rows, block_tables, block_size, self.tile_rows)
