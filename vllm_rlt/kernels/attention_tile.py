@@ -4,7 +4,8 @@ split (`paged_attention.py` launches it; the tile tables are in `attention/metad
 `attend_tile` loads the tile's queries (rows x GQA group on the M side), walks its split of the
 KV range in steps of BLOCK_N with an online softmax (`_attend_block`; the causal mask only in
 the steps past the tile's first position), and stores the normalised output, or, split, the
-partial with its running max and sum for the combine.
+partial with its running max and sum for the combine (split 0 still stores the output of the
+rows that no other split reaches).
 """
 
 from __future__ import annotations
@@ -201,16 +202,20 @@ def attend_tile(
                 BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64,
             )  # fmt: skip
 
+        # Rows whose keys all lie in split 0 (position < split_len) are final here: split 0
+        # stores their output and the combine kernel skips them; the others store a partial.
+        # Rows this split does not reach are never read by the combine kernel.
+        final = valid
         if SPLIT:
-            # Rows this split does not reach are never read by the combine kernel.
+            final = valid & (split == 0) & (pos_m < split_len)
             part = (split * num_rows + row.to(tl.int64)) * NUM_HEADS + head
-            tl.store(part_m_ptr + part, m_i, mask=valid)
-            tl.store(part_l_ptr + part, l_i, mask=valid)
+            partial = valid & ~final
+            tl.store(part_m_ptr + part, m_i, mask=partial)
+            tl.store(part_l_ptr + part, l_i, mask=partial)
             acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
-            tl.store(acc_ptrs, acc, mask=io_mask)
-        else:
+            tl.store(acc_ptrs, acc, mask=io_mask & partial[:, None])
+        if split == 0:  # (unsplit launches have only split 0)
             out = acc / l_i[:, None]
-            o_ptrs = (
-                out_ptr + row.to(tl.int64)[:, None] * stride_o_row + head[:, None] * stride_o_head
-            )
-            tl.store(o_ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+            o_ptrs = out_ptr + row.to(tl.int64)[:, None] * stride_o_row
+            o_ptrs += head[:, None] * stride_o_head + offs_d[None, :]
+            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_mask & final[:, None])

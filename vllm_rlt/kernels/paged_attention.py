@@ -16,6 +16,8 @@ unnormalised partial output with its running max and sum, and a combine kernel m
 grid holds a fixed number of splits S, but a tile's split length comes from its own context
 (ceil(context / S), aligned, at least `min_split_len`), so CUDA graphs, whose grids are sized for
 the longest context a row may reach, split a short context as finely as an eager launch would.
+Rows whose keys all lie in split 0 (position < split length) are final there: split 0 stores
+their output and the combine leaves them alone.
 The KV write that precedes attention is in `kv_write.py`.
 """
 
@@ -158,31 +160,33 @@ def _combine_kernel(
     GDC: tl.constexpr,
 ):
     """Merge the splits of one (row, head) (split lengths are its tile's): splits past the row's
-    position were not written."""
+    position were not written. A row whose keys all lie in split 0 was stored by the attention
+    kernel: its program moves no data."""
     release_dependents(GDC)  # the output projection may start streaming its weights
     wait_for_primary(GDC)  # the partials come from the attention kernel
     row = tl.program_id(0)
     head = tl.program_id(1)
     # a row in no tile (a CUDA-graph padding row, at position 0) has no split length stored:
-    # it reads split 0 alone, whatever it holds
+    # it counts as one split, and nothing writes it
     split_len = tl.maximum(tl.load(split_len_ptr + row), 1)
     num_active = tl.load(positions_ptr + row).to(tl.int32) // split_len + 1
-    offs_s = tl.arange(0, SPLITS_P2)
-    active = offs_s < num_active
-    part = (offs_s * num_rows + row) * NUM_HEADS + head
-    m = tl.load(part_m_ptr + part, mask=active, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + part, mask=active, other=0.0)
-    if F64:  # noqa: SIM108 (the attention kernel's log domain, see _attend_block)
-        w = tl.exp(m - tl.max(m, 0))
-    else:
-        w = tl.exp2(m - tl.max(m, 0))  # split 0 always sees key 0: the max is finite
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_DIM
-    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.load(acc_ptrs, mask=active[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    o_ptrs = out_ptr + row.to(tl.int64) * stride_o_row + head * stride_o_head + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if num_active > 1:
+        offs_s = tl.arange(0, SPLITS_P2)
+        active = offs_s < num_active
+        part = (offs_s * num_rows + row) * NUM_HEADS + head
+        m = tl.load(part_m_ptr + part, mask=active, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part, mask=active, other=0.0)
+        if F64:  # noqa: SIM108 (the attention kernel's log domain, see _attend_block)
+            w = tl.exp(m - tl.max(m, 0))
+        else:
+            w = tl.exp2(m - tl.max(m, 0))  # split 0 always sees key 0: the max is finite
+        offs_d = tl.arange(0, HEAD_PAD)
+        d_ok = offs_d < HEAD_DIM
+        acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+        acc = tl.load(acc_ptrs, mask=active[:, None] & d_ok[None, :], other=0.0)
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        o_ptrs = out_ptr + row.to(tl.int64) * stride_o_row + head * stride_o_head + offs_d
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _row_block(rows_per_tile: int, group: int, use_dot: bool) -> tuple[int, bool]:
