@@ -67,6 +67,7 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             load_format="dummy",
             dtype=args.dtype,
             attention_backend=args.attention_backend,
+            layer_kernels=args.layer_kernels,
             max_num_seqs=concurrency,
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefill_chunk_size=args.chunk_size,
@@ -144,6 +145,7 @@ def main() -> None:
     p.add_argument("--shape", default="ouro-1.4b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--layer-kernels", default="auto", help="the model's LayerKernels strategy")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)

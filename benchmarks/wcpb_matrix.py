@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--shape", default="ouro-1.4b")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--layer-kernels", default="auto", help="the model's LayerKernels strategy")
     p.add_argument("--chunks", type=int, nargs="+", default=[32, 128])
     p.add_argument("--cells", type=int, nargs="*", default=None, help="indices into the cells")
     p.add_argument("--repeats", type=int, default=3)
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(
             write_shape(args.shape, tmp), dtype=args.dtype, load_format="dummy",
-            attention_backend=args.attention_backend,
+            attention_backend=args.attention_backend, layer_kernels=args.layer_kernels,
         )  # fmt: skip
     todo = cells(args.chunks)
     if args.cells is not None:

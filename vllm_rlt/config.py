@@ -38,6 +38,12 @@ class ModelConfig:
         "or triton",
         default="auto",
     )
+    layer_kernels: str = _help(
+        "how a layer's projections and element-wise steps run: auto (skinny on CUDA, torch on "
+        "CPU), torch (the reference), fused, skinny or skinny-norm (docs/benchmarks/"
+        "layer-kernels.md)",
+        default="auto",
+    )
     seed: int = _help(
         "seed for dummy weights and for the seeds drawn for requests that give none", default=0
     )

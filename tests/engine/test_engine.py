@@ -216,6 +216,15 @@ def test_prefill_tiles_are_as_tall_as_a_chunk(model_dir):
     assert eng.runner.tile_rows == TILE_ROWS == 64
 
 
+def test_layer_kernels_setting_reaches_the_model(model_dir):
+    """`layer_kernels` picks the model's LayerKernels strategy; an unknown one names the
+    setting and the choices."""
+    assert engine(model_dir).model.layer_kernels == "auto"
+    assert engine(model_dir, layer_kernels="skinny-norm").model.layer_kernels == "skinny-norm"
+    with pytest.raises(ValueError, match="layer_kernels must be one of .*'skinny-norm'"):
+        engine(model_dir, layer_kernels="cudnn")
+
+
 def _finish(eng):
     done = {}
     while eng.has_unfinished_requests():

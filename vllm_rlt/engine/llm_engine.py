@@ -54,6 +54,7 @@ class LLMEngine:
                 device=mc.device,
                 load_format=mc.load_format,
                 attention_backend=mc.attention_backend,
+                layer_kernels=mc.layer_kernels,
                 seed=mc.seed,
             )
         else:

@@ -63,10 +63,12 @@ def load_model(
     device: str | torch.device | None = None,
     load_format: str = "auto",
     attention_backend: str = "auto",
+    layer_kernels: str = "auto",
     seed: int = 0,
 ) -> LoadedModel:
     """Build the model on `device` (default: CUDA when available) and read its weights.
-    `attention_backend="auto"` picks triton on CUDA and torch on the CPU."""
+    `attention_backend="auto"` picks triton on CUDA and torch on the CPU; `layer_kernels` is the
+    model's `LayerKernels` strategy (`vllm_rlt.models.layer_kernels.LAYER_KERNELS`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
@@ -77,7 +79,7 @@ def load_model(
     config = read_config(model_dir)
     _, model_cls = registry.resolve(config.model_type)
     with torch.device(device):
-        model = model_cls(config, attention_backend=attention_backend)
+        model = model_cls(config, attention_backend=attention_backend, layer_kernels=layer_kernels)
     model.to(torch_dtype)
     if load_format == "dummy":
         init_random_weights(model, seed)
