@@ -266,7 +266,7 @@ def paged_attention(
         decode_config = replace(DECODE_CONFIG, block_n=FP32_BLOCK_N)
     elif decode_config is None:
         decode_config = decode_config_for(programs, decode_only, num_sms)
-    big = triton.next_power_of_2(meta.max_tile_rows) * triton.next_power_of_2(group) >= 64
+    big = _row_block(meta.max_tile_rows, group, True)[0] >= 64
     if chunk_config is None:
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
         chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config

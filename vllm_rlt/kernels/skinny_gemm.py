@@ -194,6 +194,7 @@ def _skinny_gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     # the weights are read: the kernel after this one may start (it waits for the outputs)
     release_dependents(GDC)
+    finisher = True  # this program finishes its output block
     if SPLIT:
         mask = m_ok[:, None] & col_ok[None, :]
         part = part_ptr + offs_m[:, None] * N_W + cols[None, :]  # split 0's partial
@@ -201,22 +202,13 @@ def _skinny_gemm_kernel(
         # every thread's part stored, then one gpu-scope release: count this split's arrival
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:  # the last split: every partial is visible
+        finisher = arrived == tl.num_programs(1) - 1  # the last split: every partial is visible
+        if finisher:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(tl.num_programs(1)):  # in split order: independent of timing
                 acc += tl.load(part + s * M * N_W, mask=mask, cache_modifier=".cg")
-            _epilogue(
-                acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
-                table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
-                cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
-            )  # fmt: skip
             tl.store(counter_ptr + pid_n, 0)  # zeroed for the next call
-            if NORM:
-                _norm_tail(
-                    out_ptr, res_ptr, norm_w_ptr, norm_w2_ptr, sum_ptr, normed_ptr, tail_ptr, M,
-                    N, stride_om, stride_res, stride_sum, stride_normed, EPS, EPS2, NORM_BLOCK,
-                )  # fmt: skip
-    else:
+    if finisher:
         _epilogue(
             acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
             table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
