@@ -6,15 +6,15 @@ sequence at position --context - 1 with that much KV (block size 16, fragmented 
 with --chunk C, R / C sequences each run a prefill chunk of C rows ending at that position.
 For each layer path in --paths (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs;
 `fused`: fused [q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`;
-`skinny`: `fused` with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`;
-`skinny-norm`: `skinny` with the residual steps in the output and down projections) it reports:
+`skinny`: `fused` with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`) it
+reports:
 
 - eager_ms: CUDA events around back-to-back calls after warm-up (host launch cost included);
 - graph_ms: the same invocation captured in a CUDA graph and replayed (GPU time alone);
 - kernels and kernel_ms from torch.profiler over one eager call (kernels, copies and memsets), the
   most frequent kernel names, GPU time and count per kernel name, and kernels per layer from the
   difference between the full model and the model cut to half its layers;
-- for the other paths, the relative distance of their outputs to the torch path's (same
+- for `fused` and `skinny`, the relative distance of their outputs to the torch path's (same
   inputs).
 
 The weight floor is the bytes of the shared layers over the device-to-device copy bandwidth
@@ -44,7 +44,7 @@ from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16
-PATHS = ("torch", "fused", "skinny", "skinny-norm")
+PATHS = ("torch", "fused", "skinny")
 
 
 class LayerKV:
@@ -192,9 +192,6 @@ def main(argv: list[str] | None = None) -> dict:
             case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
         if {"fused", "skinny"} <= outputs.keys():
             case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
-        if {"skinny", "skinny-norm"} <= outputs.keys():
-            norm_ms = case["skinny-norm"]["graph_ms"]
-            case["skinny_norm_vs_skinny"] = case["skinny"]["graph_ms"] / norm_ms
         results.append(case)
     report = {
         "env": {

@@ -40,7 +40,7 @@ class ModelConfig:
     )
     layer_kernels: str = _help(
         "how a layer's projections and element-wise steps run: auto (skinny on CUDA, torch on "
-        "CPU), torch (the reference), fused, skinny or skinny-norm (docs/benchmarks/"
+        "CPU), torch (the reference), fused or skinny (docs/benchmarks/"
         "layer-kernels.md)",
         default="auto",
     )

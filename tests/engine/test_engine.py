@@ -220,8 +220,8 @@ def test_layer_kernels_setting_reaches_the_model(model_dir):
     """`layer_kernels` picks the model's LayerKernels strategy; an unknown one names the
     setting and the choices."""
     assert engine(model_dir).model.layer_kernels == "auto"
-    assert engine(model_dir, layer_kernels="skinny-norm").model.layer_kernels == "skinny-norm"
-    with pytest.raises(ValueError, match="layer_kernels must be one of .*'skinny-norm'"):
+    assert engine(model_dir, layer_kernels="fused").model.layer_kernels == "fused"
+    with pytest.raises(ValueError, match="layer_kernels must be one of .*'skinny'"):
         engine(model_dir, layer_kernels="cudnn")
 
 

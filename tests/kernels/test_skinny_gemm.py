@@ -1,6 +1,5 @@
 """The few-row GEMM (`vllm_rlt.kernels.skinny_gemm`) against fp64 matmuls of the same values,
-and its SwiGLU, RoPE and norm epilogues against the separate kernels (`fused_ops`) they
-replace.
+and its SwiGLU and RoPE epilogues against the separate kernels (`fused_ops`) they replace.
 
 On CPU under the Triton interpreter (fp32 arithmetic, so fp32 results sit within fp32 summation
 error of the fp64 product and bf16 results are that product rounded to bf16: at most one bf16 ulp
@@ -88,33 +87,6 @@ def test_the_swiglu_epilogue_is_silu_mul_of_the_gemm(device, dtype, config):
     x, gate_up = operands(5, 2 * 72, 96, dtype, device, seed=3)  # I = 72: a partial last block
     expected = fused_ops.silu_mul(skinny_gemm.skinny_linear(x, gate_up, config))
     assert torch.equal(skinny_gemm.skinny_swiglu(x, gate_up, config), expected)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("config", [None, SPLIT_K], ids=["whole-k", "split-k"])
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_the_norm_tail_is_add_rms_norm_of_the_gemm(device, dtype, config, m):
-    """The residual step in the GEMM's last program: the same bits as the norm kernel after
-    the GEMM (N = 200 <= 1024, where that kernel has the GEMM's 4 warps, so its sums add in the
-    same order), repeated as graph replays are, with the block counter left zeroed."""
-    x, w = operands(m, 200, 96, dtype, device, seed=5)  # 200 outputs: a partial last block
-    gen = torch.Generator().manual_seed(6)
-    h, a, b = (torch.randn(*s, generator=gen).to(device, dtype) for s in ((m, 200), (200,), (200,)))
-    expected = fused_ops.add_rms_norm(h, skinny_gemm.skinny_linear(x, w, config), a, 1e-6, b, 1e-5)
-    for _ in range(2):
-        got = skinny_gemm.skinny_linear_add_norm(x, w, h, a, 1e-6, b, 1e-5, config)
-        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-    assert not skinny_gemm._counters(x.device).any()
-
-
-def test_the_norm_tail_refuses_mismatched_operands():
-    x, w = operands(2, 8, 16, torch.float32, "cpu")
-    ones = torch.ones(8)
-    with pytest.raises(ValueError, match="h must be"):
-        skinny_gemm.skinny_linear_add_norm(x, w, torch.zeros(3, 8), ones, 1e-6, ones, 1e-6)
-    with pytest.raises(ValueError, match="norm weights"):
-        skinny_gemm.skinny_linear_add_norm(x, w, torch.zeros(2, 8), ones[:4], 1e-6, ones, 1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

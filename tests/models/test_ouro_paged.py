@@ -1,8 +1,8 @@
 """The paged Ouro (prelude / recurrent core / coda over paged depth-aware KV) against the dense
 reference at every depth: whole prompts, chunked prompts, incremental decode with exits, and
 random invocations that mix requests, depths and positions. fp32 on CPU; both attention backends;
-several layer-kernel paths ("auto" is torch on CPU and skinny on CUDA; "fused" and "skinny-norm"
-on CPU run the Triton kernels under the interpreter).
+both layer-kernel paths ("auto" is torch on CPU and fused on CUDA; "fused" on CPU runs the Triton
+kernels under the interpreter).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_prompt_all_depths_in_chunks(device, backend, chunk, kernels, heads):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kernels", ["auto", "fused", "skinny-norm"])
+@pytest.mark.parametrize("kernels", ["auto", "fused"])
 def test_incremental_decode_with_exits(device, backend, kernels):
     """Prefill, then decode tokens one at a time, each stopping after its own number of loops;
     the skipped-depth copy makes later tokens read min(d, exit depth)."""

@@ -89,8 +89,9 @@ def _rms_norm_kernel(
     ACC: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    """One row per program (`norm_row`). The eps are compile-time constants so that they enter
-    fp64 arithmetic unrounded (a float argument arrives as fp32)."""
+    """One row per program. RESIDUAL: sum = res + norm(x; w), out = norm(sum; w2); else
+    out = norm(x; w). The eps are compile-time constants so that they enter fp64 arithmetic
+    unrounded (a float argument arrives as fp32)."""
     release_dependents(GDC)  # the projection after the norm may start streaming its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -98,28 +99,14 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # no kernel writes the weights
     w2 = tl.load(w2_ptr + cols, mask=mask & RESIDUAL, other=0.0)
     wait_for_primary(GDC)  # x (and the residual) come from kernels before this one
-    norm_row(
-        x_ptr + row * stride_x, res_ptr + row * stride_res, w, w2, sum_ptr + row * stride_sum,
-        out_ptr + row * stride_out, cols, mask, n, EPS, EPS2, RESIDUAL, ACC, "",
-    )  # fmt: skip
-
-
-@triton.jit
-def norm_row(
-    x_ptr, res_ptr, w, w2, sum_ptr, out_ptr, cols, mask, n, EPS: tl.constexpr,
-    EPS2: tl.constexpr, RESIDUAL: tl.constexpr, ACC: tl.constexpr, CACHE: tl.constexpr,
-):  # fmt: skip
-    """One row (the pointers point at it; w, w2 loaded): RESIDUAL: sum = res + norm(x; w),
-    out = norm(sum; w2); else out = norm(x; w). CACHE: the load's cache modifier for x (".cg"
-    where other programs of the same kernel wrote it)."""
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0, cache_modifier=CACHE)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     y = _rms(x, w, EPS, n, ACC)
     if RESIDUAL:
-        h = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        h = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         s = _round(h.to(ACC) + y.to(ACC), h.dtype)
-        tl.store(sum_ptr + cols, s, mask=mask)
+        tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
         y = _rms(s, w2, EPS2, n, ACC)
-    tl.store(out_ptr + cols, y, mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
 def _norm_launch(x: torch.Tensor) -> dict:

@@ -16,11 +16,7 @@ silu(gate) * up from the fused gate/up weight) and `skinny_qkv_rope` (RoPE on th
 of the fused q/k/v weight, and optionally the KV write of the k and v heads). A program then
 streams pairs of weight rows (gate and up row j, or columns j and j + d/2 of one head),
 interleaved in its tile, and finishes each pair with the roundings of the separate kernels
-(`fused_ops`, `kv_write`): the results are the same bits. `skinny_linear_add_norm` finishes a
-PLAIN launch with the sandwich residual step after it (`fused_ops.add_rms_norm`): the program
-that stores the launch's last output block counts the blocks in a device counter, as the K splits
-count theirs, and then runs the norm kernel's code over the finished rows. The device code of all
-of these is in `skinny_epilogues.py`.
+(`fused_ops`, `kv_write`): the results are the same bits.
 
 On Hopper GPUs the kernel is launched early (programmatic dependent launch, `pdl.py`): while the
 kernel that produces x finishes, each program pulls its first PREFETCH_K weight columns into the
@@ -38,7 +34,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
-from vllm_rlt.kernels.fused_ops import NO_FMA
+from vllm_rlt.kernels.fused_ops import NO_FMA, _round, rotate_halves, silu_times
 from vllm_rlt.kernels.pdl import (
     launch_options,
     pdl,
@@ -46,7 +42,6 @@ from vllm_rlt.kernels.pdl import (
     release_dependents,
     wait_for_primary,
 )
-from vllm_rlt.kernels.skinny_epilogues import PLAIN, ROPE, SWIGLU, _epilogue, _norm_tail
 
 MAX_ROWS = 16  # rows of x one launch handles (the dot's minimum M)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,18 +64,48 @@ class SkinnyConfig:
 DEFAULT_CONFIG = SkinnyConfig()
 
 
-@dataclass(frozen=True)
-class NormTail:
-    """The sandwich residual step a PLAIN launch finishes with: out = h + norm(y; weight, eps)
-    and normed = norm(out; next_weight, next_eps) of its result y (`fused_ops.add_rms_norm`)."""
+# the kernel's epilogues (`EPILOGUE`); constexpr globals, so that the kernels can read them
+PLAIN, SWIGLU, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
-    h: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    next_weight: torch.Tensor
-    next_eps: float
-    out: torch.Tensor
-    normed: torch.Tensor
+
+@triton.jit
+def _epilogue(
+    acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok, table_cols,
+    rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head, cache_ptr, slot_ptr,
+    cache_cols_a, kv_cols, EPILOGUE: tl.constexpr,
+):  # fmt: skip
+    """Round the fp32 sums to the output dtype and finish them. PLAIN stores them; the paired
+    epilogues split the tile's interleaved columns into a (even) and b (odd): SWIGLU stores
+    silu(a) * b at a's columns; ROPE rotates the halves a | b (when `rotate`: q and k heads) and
+    stores both, a k or v head (`kv_head`, only with the kernel's WRITE_KV) also at each row's
+    slot of its cache (slots of kv_cols elements, a at cache_cols_a). Every rounding is the one
+    the separate kernels make."""
+    dt = out_ptr.dtype.element_ty
+    rows = offs_m[:, None] * stride_om
+    y = _round(acc, dt)
+    if EPILOGUE == PLAIN:
+        tl.store(out_ptr + rows + cols[None, :], y, mask=m_ok[:, None] & col_ok[None, :])
+    else:
+        a, b = tl.split(tl.reshape(y, [y.shape[0], y.shape[1] // 2, 2]))
+        mask = m_ok[:, None] & a_ok[None, :]
+        if EPILOGUE == SWIGLU:
+            a = silu_times(a, b, tl.float32)
+        else:  # ROPE
+            if rotate:
+                cos = cos_ptr + offs_m[:, None] * stride_cos + table_cols[None, :]
+                sin = sin_ptr + offs_m[:, None] * stride_sin + table_cols[None, :]
+                cos_lo = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
+                sin_lo = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
+                cos_hi = tl.load(cos + pair_offset, mask=mask, other=0.0).to(tl.float32)
+                sin_hi = tl.load(sin + pair_offset, mask=mask, other=0.0).to(tl.float32)
+                a, b = rotate_halves(a, b, cos_lo, sin_lo, cos_hi, sin_hi, tl.float32)
+            tl.store(out_ptr + rows + pair_offset + cols_a[None, :], b, mask=mask)
+            if kv_head:  # the KV write's stores, of the same values
+                slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+                dst = cache_ptr + slot[:, None] * kv_cols + cache_cols_a[None, :]
+                tl.store(dst, a, mask=mask)
+                tl.store(dst + pair_offset, b, mask=mask)
+        tl.store(out_ptr + rows + cols_a[None, :], a, mask=mask)
 
 
 @triton.jit
@@ -95,12 +120,6 @@ def _skinny_gemm_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
-    res_ptr,
-    norm_w_ptr,
-    norm_w2_ptr,
-    sum_ptr,
-    normed_ptr,
-    tail_ptr,
     M,
     N,
     N_W,
@@ -114,9 +133,6 @@ def _skinny_gemm_kernel(
     pair_offset,
     rotated_cols,
     kv_cols,
-    stride_res,
-    stride_sum,
-    stride_normed,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -129,19 +145,13 @@ def _skinny_gemm_kernel(
     EPILOGUE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WRITE_KV: tl.constexpr,
-    NORM: tl.constexpr,
-    EPS: tl.constexpr,
-    EPS2: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
 ):
     """Program (output block, K split) over BLOCK_N weight rows. PLAIN: rows of N outputs.
     SWIGLU and ROPE: BLOCK_N / 2 pairs of rows `pair_offset` apart (interleaved in the tile):
     gate and up rows (pair_offset = I), or the low and high halves of one head's rows
     (pair_offset = HEAD_DIM / 2; columns below `rotated_cols` are q and k heads, the rest v,
     and with WRITE_KV the last kv_cols of each are also stored at the rows' cache slots);
-    N first-of-pair columns in all. The weight has N_W rows. NORM (PLAIN): the program that
-    finishes the last output block then adds the rows to the residual and norms them
-    (`_norm_tail`)."""
+    N first-of-pair columns in all. The weight has N_W rows."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -194,7 +204,6 @@ def _skinny_gemm_kernel(
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     # the weights are read: the kernel after this one may start (it waits for the outputs)
     release_dependents(GDC)
-    finisher = True  # this program finishes its output block
     if SPLIT:
         mask = m_ok[:, None] & col_ok[None, :]
         part = part_ptr + offs_m[:, None] * N_W + cols[None, :]  # split 0's partial
@@ -202,30 +211,28 @@ def _skinny_gemm_kernel(
         # every thread's part stored, then one gpu-scope release: count this split's arrival
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        finisher = arrived == tl.num_programs(1) - 1  # the last split: every partial is visible
-        if finisher:
+        if arrived == tl.num_programs(1) - 1:  # the last split: every partial is visible
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(tl.num_programs(1)):  # in split order: independent of timing
                 acc += tl.load(part + s * M * N_W, mask=mask, cache_modifier=".cg")
+            _epilogue(
+                acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
+                table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
+                cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
+            )  # fmt: skip
             tl.store(counter_ptr + pid_n, 0)  # zeroed for the next call
-    if finisher:
+    else:
         _epilogue(
             acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
             table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
             cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
         )  # fmt: skip
-        if NORM:
-            _norm_tail(
-                out_ptr, res_ptr, norm_w_ptr, norm_w2_ptr, sum_ptr, normed_ptr, tail_ptr, M, N,
-                stride_om, stride_res, stride_sum, stride_normed, EPS, EPS2, NORM_BLOCK,
-            )  # fmt: skip
 
 
 @functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters of one device, zero between calls (each call resets those it used):
-    one per output block, then the norm tail's block counter."""
-    return torch.zeros(MAX_COUNTERS + 1, device=device, dtype=torch.int32)
+    """Arrival counters of one device, zero between calls (each call resets those it used)."""
+    return torch.zeros(MAX_COUNTERS, device=device, dtype=torch.int32)
 
 
 def num_k_splits(num_n_blocks: int, k: int, num_sms: int, cfg: SkinnyConfig) -> int:
@@ -256,12 +263,11 @@ def _launch(
     epilogue: tl.constexpr = PLAIN,
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
     kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    norm: NormTail | None = None,
 ) -> torch.Tensor:
     """One launch over n_a outputs (paired epilogues: first-of-pair columns, cfg.block_n / 2 of
     them per program, so that a program streams as many weight rows as a PLAIN one). rope:
     (cos, signed_sin, rotated columns, head_dim) for ROPE; kv: (k_cache, v_cache, slots) that
-    ROPE also stores the k and v heads in; norm: the residual step after a PLAIN launch."""
+    ROPE also stores the k and v heads in."""
     _check(x, weight)
     m, k = x.shape
     n_w = weight.shape[0]
@@ -278,16 +284,11 @@ def _launch(
     kv_cols = k_cache.shape[2] * k_cache.shape[3] if kv else 0
     # the distance between a pair's rows: gate to up (I), a head's low to high half, or none
     pair_offset = n_a if epilogue == SWIGLU else head_dim // 2
-    nt = norm or NormTail(out, out, 0.0, out, 0.0, out, out)
-    tail = _counters(x.device)[MAX_COUNTERS:] if norm else out
     gdc = pdl(x.device)
     _skinny_gemm_kernel[(n_blocks, splits)](
-        x, weight, out, part, counters, cos, sin, k_cache, v_cache, slots, nt.h, nt.weight,
-        nt.next_weight, nt.out, nt.normed, tail, m, n_a, n_w, k,
+        x, weight, out, part, counters, cos, sin, k_cache, v_cache, slots, m, n_a, n_w, k,
         x.stride(0), weight.stride(0), out.stride(0), cos.stride(0), sin.stride(0), k_per_split,
-        pair_offset, rotated_cols, kv_cols, nt.h.stride(0), nt.out.stride(0), nt.normed.stride(0),
-        NORM=norm is not None, EPS=nt.eps, EPS2=nt.next_eps,
-        NORM_BLOCK=triton.next_power_of_2(n_a) if norm else 1,
+        pair_offset, rotated_cols, kv_cols,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         LINE=128 // weight.element_size(), PREFETCH_K=PREFETCH_K, GDC=gdc, EPILOGUE=int(epilogue),
@@ -305,32 +306,6 @@ def skinny_linear(
     fp32 accumulation (fp16, bf16 or fp32 operands)."""
     out = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
     return _launch(x, weight, out, weight.shape[0], config or DEFAULT_CONFIG)
-
-
-def skinny_linear_add_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    h: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    next_weight: torch.Tensor,
-    next_eps: float,
-    config: SkinnyConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fused_ops.add_rms_norm(h, skinny_linear(x, weight), ...)` in one launch: h [M, N] the
-    residual stream; returns (h + norm(y), next norm of that), both [M, N] and new. The program
-    that finishes the last output block runs the norm kernel's code over the rows."""
-    m, n = x.shape[0], weight.shape[0]
-    if h.shape != (m, n) or h.dtype != x.dtype or h.stride(1) != 1:
-        raise ValueError(f"h must be [{m}, {n}] {x.dtype} contiguous along N, got {tuple(h.shape)}")
-    for w in (norm_weight, next_weight):
-        if w.shape != (n,) or w.dtype != x.dtype or not w.is_contiguous():
-            raise ValueError(f"norm weights must be contiguous [{n}] {x.dtype}")
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    out, normed = torch.empty_like(y), torch.empty_like(y)
-    tail = NormTail(h, norm_weight, eps, next_weight, next_eps, out, normed)
-    _launch(x, weight, y, n, config or DEFAULT_CONFIG, norm=tail)
-    return out, normed
 
 
 def skinny_swiglu(

@@ -1,6 +1,6 @@
 """How a decoder layer's pieces run: plain torch ops, or fused projections and Triton kernels.
 
-A model calls these operations per layer through one of the strategies:
+A model calls four operations per layer through one of these strategies:
 
 - `norm(x, norm)`: an RMSNorm;
 - `add_norm(h, y, norm_a, norm_b)`: the sandwich residual step `h + norm_a(y)` and the norm after
@@ -10,8 +10,6 @@ A model calls these operations per layer through one of the strategies:
   otherwise);
 - `swiglu(mlp, x)`: the MLP;
 - `out_proj(attn, x)`: attention's output projection;
-- `attn_residual(attn, x, h, norm_a, norm_b)` and `mlp_residual(mlp, x, h, norm_a, norm_b)`:
-  the output projection or the MLP followed by `add_norm` (what the layer calls);
 - `exit_gate(x, gate)`: the early-exit gate's logit of each end-of-loop row, in fp32 (fp64 for
   an fp64 model).
 
@@ -22,9 +20,7 @@ on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
 per exit gate (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the
 projections of invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead
 of cuBLAS, the SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by
-the q/k/v GEMM for up to 8 rows (docs/benchmarks/layer-kernels.md). `skinny-norm` is `skinny`
-with the residual step after the output and down projections of up to 16 rows done by those
-GEMMs' last program (`skinny_gemm.skinny_linear_add_norm`): two launches fewer per layer.
+the q/k/v GEMM for up to 8 rows (docs/benchmarks/layer-kernels.md).
 Inference only (no autograd through Triton).
 """
 
@@ -38,8 +34,7 @@ from torch import nn
 
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding, acc_dtype
 
-# "auto": skinny on CUDA, torch elsewhere
-LAYER_KERNELS = ("auto", "torch", "fused", "skinny", "skinny-norm")
+LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
 # where a layer's k and v go: (k_cache, v_cache [num_blocks, block_size, Hkv, d], slots [R])
 KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -72,34 +67,12 @@ class LayerKernels(Protocol):
         """x: [R, Hq * d] attention output -> o_proj(x) [R, H]."""
         ...
 
-    def attn_residual(
-        self, attn: nn.Module, x: torch.Tensor, h: torch.Tensor, norm_a: RMSNorm, norm_b: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_norm(h, out_proj(attn, x), norm_a, norm_b)`."""
-        ...
-
-    def mlp_residual(
-        self, mlp: nn.Module, x: torch.Tensor, h: torch.Tensor, norm_a: RMSNorm, norm_b: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_norm(h, swiglu(mlp, x), norm_a, norm_b)`."""
-        ...
-
     def exit_gate(self, x: torch.Tensor, gate: nn.Linear) -> torch.Tensor:
         """x: [R, H] end-of-loop norm -> gate(x) [R] computed in `acc_dtype(x.dtype)`."""
         ...
 
 
-class ResidualSteps:
-    """The residual steps as their two parts, each its own call."""
-
-    def attn_residual(self, attn, x, h, norm_a, norm_b):
-        return self.add_norm(h, self.out_proj(attn, x), norm_a, norm_b)
-
-    def mlp_residual(self, mlp, x, h, norm_a, norm_b):
-        return self.add_norm(h, self.swiglu(mlp, x), norm_a, norm_b)
-
-
-class TorchLayerKernels(ResidualSteps):
+class TorchLayerKernels:
     name = "torch"
 
     def norm(self, x, norm):
@@ -128,7 +101,7 @@ class TorchLayerKernels(ResidualSteps):
         return logit.squeeze(-1)
 
 
-class FusedLayerKernels(ResidualSteps):
+class FusedLayerKernels:
     name = "fused"
 
     def __init__(self) -> None:
@@ -195,31 +168,7 @@ class SkinnyLayerKernels(FusedLayerKernels):
         return self.linear(self.gemm.skinny_swiglu(x, mlp.gate_up_weight), mlp.down_proj.weight)
 
 
-class SkinnyNormLayerKernels(SkinnyLayerKernels):
-    name = "skinny-norm"
-
-    def attn_residual(self, attn, x, h, norm_a, norm_b):
-        if not self._few_rows(x):
-            return super().attn_residual(attn, x, h, norm_a, norm_b)
-        return self._linear_add_norm(x, attn.o_proj.weight, h, norm_a, norm_b)
-
-    def mlp_residual(self, mlp, x, h, norm_a, norm_b):
-        if not self._few_rows(x):
-            return super().mlp_residual(mlp, x, h, norm_a, norm_b)
-        act = self.gemm.skinny_swiglu(x, mlp.gate_up_weight)
-        return self._linear_add_norm(act, mlp.down_proj.weight, h, norm_a, norm_b)
-
-    def _linear_add_norm(self, x, weight, h, norm_a, norm_b):
-        ab = (norm_a.weight, norm_a.eps, norm_b.weight, norm_b.eps)
-        return self.gemm.skinny_linear_add_norm(x, weight, h, *ab)
-
-
-_STRATEGIES = {
-    "torch": TorchLayerKernels,
-    "fused": FusedLayerKernels,
-    "skinny": SkinnyLayerKernels,
-    "skinny-norm": SkinnyNormLayerKernels,
-}
+_STRATEGIES = {"torch": TorchLayerKernels, "fused": FusedLayerKernels, "skinny": SkinnyLayerKernels}
 _INSTANCES: dict[str, LayerKernels] = {}
 
 

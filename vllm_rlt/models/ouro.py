@@ -130,12 +130,10 @@ class OuroAttention(FusesLinears):
         v_cache: torch.Tensor,
         kernels: LayerKernels,
     ) -> torch.Tensor:
-        """x: [R, H] normed block input; rope: this invocation's `RotaryEmbedding.tables`.
-        Returns the heads' outputs [R, Hq * d]: o_proj runs with the residual step after it
-        (`LayerKernels.attn_residual`)."""
+        """x: [R, H] normed block input; rope: this invocation's `RotaryEmbedding.tables`."""
         q, k, v, written = kernels.qkv(self, x, rope, (k_cache, v_cache, meta.slot_mapping))
         out = self.backend.forward(q, k, v, k_cache, v_cache, meta, kv_stored=written)
-        return out.reshape(x.shape[0], -1)
+        return kernels.out_proj(self, out.reshape(x.shape[0], -1))
 
 
 class OuroMLP(FusesLinears, SwiGLUMLP):
@@ -178,10 +176,9 @@ class OuroDecoderLayer(nn.Module):
         layer's input norm, or the end-of-loop norm) runs in the same step as the residual add.
         """
         attn = self.self_attn(x, rope, meta, k_cache, v_cache, kernels)
-        h, x = kernels.attn_residual(
-            self.self_attn, attn, h, self.input_layernorm_2, self.post_attention_layernorm
-        )
-        return kernels.mlp_residual(self.mlp, x, h, self.post_attention_layernorm_2, next_norm)
+        h, x = kernels.add_norm(h, attn, self.input_layernorm_2, self.post_attention_layernorm)
+        mlp = kernels.swiglu(self.mlp, x)
+        return kernels.add_norm(h, mlp, self.post_attention_layernorm_2, next_norm)
 
 
 class OuroModel(nn.Module):
