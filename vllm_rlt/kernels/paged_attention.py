@@ -54,8 +54,11 @@ DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=Tru
 # before splitting (9-32 rows of Ouro-1.4B's 16 heads): KV steps of 64 with 2 stages, 4-14%
 # faster at 512-4096 positions on the H200 (docs/benchmarks/decode-sweep.md).
 FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)
-CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=2)  # rows x heads < 64
-CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=3)  # rows x heads >= 64
+# Prefill tiles: rows x heads < 64, and >= 64. Swept at the engine's 1024-row invocations
+# (chunks of 32 and 128 at 0-512 positions, docs/benchmarks/prefill-attention.md): 3-4% faster
+# than the previous 2 and 3 stages.
+CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3)
+CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
 FP32_BLOCK_N = 32
