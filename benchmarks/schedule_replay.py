@@ -30,6 +30,7 @@ from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.request import ExitSettings, Request
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.graph_tables import graph_specs, select_spec
+from vllm_rlt.worker.invocation_timer import invocation_shape
 
 DEPTH = 4  # Ouro-1.4B's loops
 
@@ -67,13 +68,13 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
             decode = sum(t.kind is RowKind.DECODE for t in live)
             # None: no graph holds its tiles, it runs eagerly
             spec = select_spec(specs, rows, tile_rows)
-            bucket = sum(rows) if spec is None else spec.num_rows
-            kind = "mixed" if decode and decode < sum(rows) else "decode" if decode else "prefill"
+            bucket = None if spec is None else spec.num_rows
+            shape = invocation_shape(decode, sum(rows), bucket)  # the engine's timing keys
             counts["invocations"] += 1
-            counts[f"{kind}_invocations"] += 1
+            counts[f"{shape.split()[0]}_invocations"] += 1
             counts["rows"] += sum(rows)
-            counts["bucket_rows"] += bucket
-            buckets[f"{kind} {'eager' if spec is None else bucket}"] += 1
+            counts["bucket_rows"] += sum(rows) if bucket is None else bucket
+            buckets[shape] += 1
         sched.advance(batch, ())
         if async_scheduling:  # the previous step's tokens are read after this step is queued
             batch, unread = unread, batch

@@ -11,7 +11,9 @@ A run may be split across calls with `--cells` (indices into the cell list): run
 `results.json` are kept, except those of the cells being run again, and every call's command
 and versions are listed. On a GPU,
 `--busy-rounds` more interleaved rounds per cell run under the CUDA activity recorder and give
-the GPU busy fraction; they are kept out of the other medians (recording perturbs timing).
+the GPU busy fraction and the device time of each invocation shape (`invocation_ms` in
+`results.json`: `vllm_rlt.worker.invocation_timer`); they are kept out of the other medians
+(recording perturbs timing).
 `--modes` picks the modes (default Atomic, Split, WCPB); `wcpb-cap` adds WCPB whose invocations
 with decode rows take at most `--wcpb-cap` prefill rows (`max_prefill_rows_with_decode`).
 """
@@ -41,6 +43,7 @@ from vllm_rlt.config import EngineConfig, SchedulerConfig
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
+from vllm_rlt.worker.invocation_timer import InvocationTimer
 
 MODES = {
     "atomic": {"scheduling_mode": "refill"},
@@ -143,6 +146,8 @@ def run_one(
             warm = build_workload("concurrent", 2, [chunk + 3], 2, vocab, seed=99)
             await run_inprocess(engine, warm, tag="warmup")
             before = engine.engine.stats.as_dict()
+            runner = engine.engine.runner
+            runner.timer = InvocationTimer(runner.device) if profiled else None
             with gpu_activity() if profiled else contextlib.nullcontext({}) as gpu:
                 records, duration = await run_inprocess(engine, wl)
             after = engine.engine.stats.as_dict()
@@ -155,6 +160,7 @@ def run_one(
         if profiled:
             out["gpu_busy_fraction"] = gpu["gpu_busy_s"] / duration
             out["gpu_kernels"] = gpu["gpu_kernels"]  # where the GPU time went, by kernel
+            out["invocation_ms"] = runner.timer.summary()  # ... and by invocation shape
         return out
 
     result = asyncio.run(go())

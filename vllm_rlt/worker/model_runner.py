@@ -10,6 +10,7 @@ eagerly otherwise. Entering rows' prelude and the scatter of the outputs run out
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,9 +25,10 @@ from vllm_rlt.core.sched.execution_batch import (
     SampledToken,
     StateSpan,
 )
-from vllm_rlt.worker.cuda_graph import CudaGraphRunner
+from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.host_copy import read_back, to_device
+from vllm_rlt.worker.invocation_timer import InvocationTimer, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
 
@@ -74,6 +76,8 @@ class ModelRunner:
             max_num_seqs, max_ring_rows, model.config.hidden_size, weight.dtype, self.device
         )
         self.reqs: dict[str, _Mirror] = {}
+        # benchmarks attach one to time each recurrent-core call by its shape
+        self.timer: InvocationTimer | None = None
 
     @torch.inference_mode()
     def execute(self, batch: ExecutionBatch) -> LaunchedStep:
@@ -190,15 +194,24 @@ class ModelRunner:
                 tokens = torch.cat([tokens, sampled_tokens[pick]])
             entry = to_device(prompt_rows + decode_rows, torch.int64, self.device)
             hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
-        if static is None:
-            out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
-        else:
-            out, gate = self.graphs.run(static)
+        decoding = sum(t.num_tokens for t in live if t.kind is RowKind.DECODE)
+        with self._timed(decoding, row, static):
+            if static is None:
+                out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
+            else:
+                out, gate = self.graphs.run(static)
         self.states.buffer[index] = out
         if done_src:
             src = to_device(done_src, torch.int64, self.device)
             self.states.buffer[to_device(done_dst, torch.int64, self.device)] = out[src]
         return gate
+
+    def _timed(self, decode_rows: int, rows: int, static: StaticInvocation | None):
+        """Times the recurrent-core call by its shape while a `timer` is attached."""
+        if self.timer is None:
+            return contextlib.nullcontext()
+        bucket = None if static is None else static.spec.num_rows
+        return self.timer.time(invocation_shape(decode_rows, rows, bucket))
 
     def _core_inputs(self, starts, counts, tables, rows: list[np.ndarray]):
         """Metadata and gathered input rows of an invocation: in the graph runner's static
