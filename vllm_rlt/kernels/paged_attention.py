@@ -54,9 +54,9 @@ DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=Tru
 # before splitting (9-32 rows of Ouro-1.4B's 16 heads): KV steps of 64 with 2 stages, 4-14%
 # faster at 512-4096 positions on the H200 (docs/benchmarks/decode-sweep.md).
 FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)
-# Prefill tiles: rows x heads < 64, and >= 64. Swept at the engine's 1024-row invocations
-# (chunks of 32 and 128 at 0-512 positions, docs/benchmarks/prefill-attention.md): 3-4% faster
-# than the previous 2 and 3 stages.
+# Prefill tiles below 64 rows x heads, and from 64. Swept at the engine's 1024-row invocations
+# (docs/benchmarks/prefill-attention.md): 3-4% faster than 2 and 3 stages at contexts up to 512;
+# the short tiles' 3 stages lose up to 2% at 4K, the tall tiles' 2 stages win up to 4K.
 CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3)
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared

@@ -194,8 +194,7 @@ class ModelRunner:
                 tokens = torch.cat([tokens, sampled_tokens[pick]])
             entry = to_device(prompt_rows + decode_rows, torch.int64, self.device)
             hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
-        decoding = sum(t.num_tokens for t in live if t.kind is RowKind.DECODE)
-        with self._timed(decoding, row, static):
+        with self._timed(live, row, static):
             if static is None:
                 out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
             else:
@@ -206,10 +205,12 @@ class ModelRunner:
             self.states.buffer[to_device(done_dst, torch.int64, self.device)] = out[src]
         return gate
 
-    def _timed(self, decode_rows: int, rows: int, static: StaticInvocation | None):
-        """Times the recurrent-core call by its shape while a `timer` is attached."""
+    def _timed(self, live, rows: int, static: StaticInvocation | None):
+        """Times the recurrent-core call over the `live` tasks (`rows` rows) by its shape while
+        a `timer` is attached."""
         if self.timer is None:
             return contextlib.nullcontext()
+        decode_rows = sum(t.num_tokens for t in live if t.kind is RowKind.DECODE)
         bucket = None if static is None else static.spec.num_rows
         return self.timer.time(invocation_shape(decode_rows, rows, bucket))
 
