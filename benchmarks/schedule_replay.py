@@ -30,7 +30,7 @@ from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.request import ExitSettings, Request
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.graph_tables import graph_specs, select_spec
-from vllm_rlt.worker.invocation_timer import invocation_shape
+from vllm_rlt.worker.invocation_timer import invocation_kind, invocation_shape
 
 DEPTH = 4  # Ouro-1.4B's loops
 
@@ -71,7 +71,7 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
             bucket = None if spec is None else spec.num_rows
             shape = invocation_shape(decode, sum(rows), bucket)  # the engine's timing keys
             counts["invocations"] += 1
-            counts[f"{shape.split()[0]}_invocations"] += 1
+            counts[f"{invocation_kind(decode, sum(rows))}_invocations"] += 1
             counts["rows"] += sum(rows)
             counts["bucket_rows"] += sum(rows) if bucket is None else bucket
             buckets[shape] += 1

@@ -147,7 +147,8 @@ def run_one(
             await run_inprocess(engine, warm, tag="warmup")
             before = engine.engine.stats.as_dict()
             runner = engine.engine.runner
-            runner.timer = InvocationTimer(runner.device) if profiled else None
+            if profiled:
+                runner.timer = InvocationTimer(runner.device)
             with gpu_activity() if profiled else contextlib.nullcontext({}) as gpu:
                 records, duration = await run_inprocess(engine, wl)
             after = engine.engine.stats.as_dict()

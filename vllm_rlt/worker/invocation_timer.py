@@ -17,11 +17,16 @@ from collections import defaultdict
 import torch
 
 
+def invocation_kind(decode_rows: int, rows: int) -> str:
+    """`prefill`, `mixed` or `decode`: an invocation of `rows` rows, `decode_rows` of them
+    decode rows."""
+    return "mixed" if 0 < decode_rows < rows else "decode" if decode_rows else "prefill"
+
+
 def invocation_shape(decode_rows: int, rows: int, bucket: int | None) -> str:
-    """The shape of an invocation of `rows` rows, `decode_rows` of them decode rows, replayed
-    in the graph of `bucket` rows (None: run eagerly)."""
-    kind = "mixed" if 0 < decode_rows < rows else "decode" if decode_rows else "prefill"
-    return f"{kind} {'eager' if bucket is None else bucket}"
+    """The shape of such an invocation replayed in the graph of `bucket` rows (None: run
+    eagerly)."""
+    return f"{invocation_kind(decode_rows, rows)} {'eager' if bucket is None else bucket}"
 
 
 class InvocationTimer:
