@@ -261,3 +261,22 @@ def test_phase_hold_lets_exited_tokens_start_with_a_first_token():
     for _ in range(3):
         batch = step(s)
         assert (batch.loop_count, sorted(batch.sample_req_ids)) == (D, ["a", "b", "c"])
+
+
+def test_wavefront_new_chunks_enter_one_per_request_per_round():
+    """With rows for fewer than every request's ring, WCPB's new chunks enter round-robin, in
+    queue order: each running request gets a chunk before any gets another, so requests admitted
+    together progress together (the last entry is cut by the budget)."""
+    s = scheduler(
+        max_num_seqs=4, max_num_batched_tokens=26, prefill_chunk_size=4,
+        wavefront_chunked_prefill=True,
+    )  # fmt: skip
+    for i in range(4):
+        s.add_request(request(f"r{i}", 16))
+    batch = step(s)
+    entered = [(t.request_id, t.token_start, t.num_tokens, t.depth) for t in batch.requests]
+    firsts = [(f"r{i}", 0, 4, 0) for i in range(4)]
+    assert entered == [*firsts, ("r0", 4, 4, 0), ("r1", 4, 4, 0), ("r2", 4, 2, 0)]
+    # next invocation: the entered pieces one depth deeper first, then the rounds go on
+    batch = step(s)
+    assert [t.depth for t in batch.requests][:7] == [1] * 7

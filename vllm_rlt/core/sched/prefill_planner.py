@@ -16,7 +16,10 @@ Two strategies share that machinery and differ in ring size and task order:
   all remaining depths (atomic), else one depth per step (split).
 - `WavefrontPlanner` (ring of D slots, WCPB): ready tasks of all requests, deepest first (a
   deeper task finishes a chunk sooner, which frees a ring slot and brings the first token
-  closer), ties by queue order then position; new positions enter depth 0 last, in queue order.
+  closer), ties by queue order then position; new positions enter depth 0 last, one chunk per
+  request per round, rounds in queue order: requests share the rows left for new chunks, so
+  requests admitted together progress together (as under Split) rather than one after the other,
+  which would leave the early ones decoding beside the others' prefill chunks.
   Regrouping happens at every depth boundary, so its batches run one loop.
 """
 
@@ -36,7 +39,11 @@ class _ChunkedPlanner:
         self.chunk_size = chunk_size
         self.num_loops = num_loops
 
-    def _order(self, req_index: int, piece: PrefillPiece | None) -> tuple:
+    def _order(self, req_index: int, piece: PrefillPiece) -> tuple:
+        raise NotImplementedError
+
+    def _entry_order(self, req_index: int, round_: int) -> tuple:
+        """Priority of the `round_`-th new chunk of a request (each entry takes one chunk)."""
         raise NotImplementedError
 
     def row_offset(self, token_start: int) -> int:
@@ -57,7 +64,7 @@ class _ChunkedPlanner:
             candidates += [
                 (self._order(i, p), req, p) for p in req.pieces if p.depth < self.num_loops
             ]
-            candidates.append((self._order(i, _ENTRY), req, _ENTRY))
+            candidates += [(self._entry_order(i, k), req, _ENTRY) for k in range(self.ring_slots)]
         candidates.sort(key=lambda c: c[0])
         tasks: list[ScheduledRequest] = []
         scheduled: dict[str, set[int]] = {r.request_id: set() for r in requests}
@@ -108,18 +115,17 @@ class _ChunkedPlanner:
         return not req.in_prefill
 
     def _enter(self, req: Request, budget: int, scheduled: set[int]) -> list[PrefillPiece]:
-        """New pieces at depth 0 while rows, ring slots and readiness allow (cut by budget)."""
-        new = []
-        while budget > 0 and self._can_enter(req) and self._ready(req, None, scheduled):
-            start = req.num_prefilled_tokens
-            chunk_end = min((start // self.chunk_size + 1) * self.chunk_size, req.num_prompt_tokens)
-            piece = PrefillPiece(start, min(budget, chunk_end - start), 0)
-            req.pieces.append(piece)
-            req.num_prefilled_tokens += piece.num_tokens
-            scheduled.add(start)
-            budget -= piece.num_tokens
-            new.append(piece)
-        return new
+        """The next chunk's new positions at depth 0 (cut by budget), if rows, a ring slot and
+        readiness allow."""
+        if budget <= 0 or not self._can_enter(req) or not self._ready(req, None, scheduled):
+            return []
+        start = req.num_prefilled_tokens
+        chunk_end = min((start // self.chunk_size + 1) * self.chunk_size, req.num_prompt_tokens)
+        piece = PrefillPiece(start, min(budget, chunk_end - start), 0)
+        req.pieces.append(piece)
+        req.num_prefilled_tokens += piece.num_tokens
+        scheduled.add(start)
+        return [piece]
 
     def _can_enter(self, req: Request) -> bool:
         start = req.num_prefilled_tokens
@@ -155,8 +161,11 @@ class SplitPlanner(_ChunkedPlanner):
     ring_slots = 1
     single_loop = False
 
-    def _order(self, req_index: int, piece: PrefillPiece | None) -> tuple:
-        return (req_index, piece is _ENTRY, 0 if piece is _ENTRY else piece.token_start)
+    def _order(self, req_index: int, piece: PrefillPiece) -> tuple:
+        return (req_index, False, piece.token_start)
+
+    def _entry_order(self, req_index: int, round_: int) -> tuple:
+        return (req_index, True, round_)  # one ring slot: one round
 
 
 class WavefrontPlanner(_ChunkedPlanner):
@@ -166,7 +175,8 @@ class WavefrontPlanner(_ChunkedPlanner):
         super().__init__(chunk_size, num_loops)
         self.ring_slots = num_loops
 
-    def _order(self, req_index: int, piece: PrefillPiece | None) -> tuple:
-        if piece is _ENTRY:
-            return (1, 0, req_index, 0)
+    def _order(self, req_index: int, piece: PrefillPiece) -> tuple:
         return (0, -piece.depth, req_index, piece.token_start)
+
+    def _entry_order(self, req_index: int, round_: int) -> tuple:
+        return (1, round_, req_index, 0)
