@@ -39,12 +39,13 @@ def test_replay_counts_every_mode_running_the_same_rows(tmp_path):
 
 
 def test_replay_counts_invocations_no_graph_holds(monkeypatch):
-    # graphs sized for one segment: WCPB's invocations of several pieces run eagerly
+    # graphs sized for one segment: WCPB's invocations of decode rows beside several pieces run
+    # eagerly (variable prompts: requests end their prefill apart, so such invocations occur)
     specs = schedule_replay.graph_specs
     monkeypatch.setattr(
         schedule_replay, "graph_specs", lambda s, b, segments, rows: specs(s, b, 1, rows)
     )
-    argv = ["--chunk", "32", "--inputs", "fixed", "--num-requests", "4", "--output-len", "2"]
+    argv = ["--chunk", "32", "--inputs", "variable", "--num-requests", "4", "--output-len", "2"]
     result = schedule_replay.main([*argv, "--max-num-batched-tokens", "256", "--modes", "wcpb"])
     r = result["modes"]["wcpb"]
     eager = {k: n for k, n in r["invocations_by_kind_and_bucket"].items() if "eager" in k}

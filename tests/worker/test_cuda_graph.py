@@ -211,7 +211,7 @@ CASES = [
     ("torch", "mixed", False, 3, 9),
     ("torch", "mixed", True, 5, 13),
     ("torch", "refill", False, 7, 9),
-    ("triton", "mixed", True, 4, 11),
+    ("triton", "mixed", True, 5, 11),
     ("triton", "no_refill", False, 4, 9),
 ]
 
