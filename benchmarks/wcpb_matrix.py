@@ -146,9 +146,9 @@ def run_one(
             warm = build_workload("concurrent", 2, [chunk + 3], 2, vocab, seed=99)
             await run_inprocess(engine, warm, tag="warmup")
             before = engine.engine.stats.as_dict()
-            runner = engine.engine.runner
             if profiled:
-                runner.timer = InvocationTimer(runner.device)
+                timer = InvocationTimer(engine.engine.runner.device)
+                engine.engine.runner.timer = timer
             with gpu_activity() if profiled else contextlib.nullcontext({}) as gpu:
                 records, duration = await run_inprocess(engine, wl)
             after = engine.engine.stats.as_dict()
@@ -161,7 +161,7 @@ def run_one(
         if profiled:
             out["gpu_busy_fraction"] = gpu["gpu_busy_s"] / duration
             out["gpu_kernels"] = gpu["gpu_kernels"]  # where the GPU time went, by kernel
-            out["invocation_ms"] = runner.timer.summary()  # ... and by invocation shape
+            out["invocation_ms"] = timer.summary()  # ... and by invocation shape
         return out
 
     result = asyncio.run(go())
