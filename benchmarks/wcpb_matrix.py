@@ -14,8 +14,10 @@ and versions are listed. On a GPU,
 the GPU busy fraction and the device time of each invocation shape (`invocation_ms` in
 `results.json`: `vllm_rlt.worker.invocation_timer`); they are kept out of the other medians
 (recording perturbs timing).
-`--modes` picks the modes (default Atomic, Split, WCPB); `wcpb-cap` adds WCPB whose invocations
-with decode rows take at most `--wcpb-cap` prefill rows (`max_prefill_rows_with_decode`).
+`--modes` picks the modes (default Atomic, Split, WCPB, each with the engine's defaults: WCPB's
+cap on prefill rows beside decode rows is half the budget); `wcpb-cap` adds WCPB whose
+invocations with decode rows take at most `--wcpb-cap` prefill rows
+(`max_prefill_rows_with_decode`; the budget turns the cap off).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ MODES = {
     "split": {"scheduling_mode": "mixed"},
     "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
     # an experiment beside the matrix's three modes: WCPB whose invocations with decode rows take
-    # at most --wcpb-cap prefill rows (the ITL tail, docs/benchmarks/wcpb-matrix.md)
+    # at most --wcpb-cap prefill rows instead of its default, half the budget (the ITL tail,
+    # docs/benchmarks/wcpb-matrix.md)
     "wcpb-cap": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
 }
 DEFAULT_MODES = ("atomic", "split", "wcpb")

@@ -111,7 +111,8 @@ class SchedulerConfig:
     )
     max_prefill_rows_with_decode: int | None = _help(
         "latency rule: an invocation that carries decode rows takes at most this many prefill "
-        "rows (default: whatever budget the decode rows leave)",
+        "rows (default: half of max_num_batched_tokens with WCPB, otherwise whatever budget the "
+        "decode rows leave)",
         default=None,
     )
 
@@ -133,6 +134,18 @@ class SchedulerConfig:
         _check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
         cap = self.max_prefill_rows_with_decode
         _check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
+
+    @property
+    def prefill_rows_with_decode(self) -> int | None:
+        """The cap `max_prefill_rows_with_decode` puts in force (None: no cap). WCPB fills its
+        invocations with ready tasks of every depth, so decode rows beside them would ride
+        invocations up to the whole budget; half of it keeps their ITL tail at Split's
+        (docs/benchmarks/wcpb-matrix.md, "The decode-aware cap becomes WCPB's default")."""
+        if self.max_prefill_rows_with_decode is not None:
+            return self.max_prefill_rows_with_decode
+        if self.wavefront_chunked_prefill:
+            return max(1, self.max_num_batched_tokens // 2)
+        return None
 
     @property
     def chunk_size(self) -> int:

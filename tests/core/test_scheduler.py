@@ -3,6 +3,10 @@ bookkeeping. A fake runner answers every step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
@@ -177,10 +181,11 @@ def test_shared_layout_prefills_in_position_waves():
     ]
 
 
-def test_decode_rows_cap_the_prefill_rows_beside_them():
+@pytest.mark.parametrize(("cap", "want"), [(3, 3), (None, 8)])  # None: WCPB's default, budget/2
+def test_decode_rows_cap_the_prefill_rows_beside_them(cap, want):
     s = scheduler(
         max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=4,
-        wavefront_chunked_prefill=True, max_prefill_rows_with_decode=3,
+        wavefront_chunked_prefill=True, max_prefill_rows_with_decode=cap,
     )  # fmt: skip
     s.add_request(request("a", 2, max_tokens=6))
     s.add_request(request("b", 40, max_tokens=2))
@@ -190,8 +195,16 @@ def test_decode_rows_cap_the_prefill_rows_beside_them():
         decode = [t for t in batch.requests if t.kind is RowKind.DECODE]
         prefill = sum(t.num_tokens for t in batch.requests if t.kind is RowKind.PREFILL)
         (beside if decode else alone).append(prefill)
-    assert max(beside) == 3  # capped beside decode rows (and the cap is reached)
-    assert max(alone) > 3  # prefill-only batches use the whole budget
+    assert max(beside) == want  # capped beside decode rows (and the cap is reached)
+    assert max(alone) > want  # prefill-only batches use the whole budget
+
+
+def test_only_wcpb_caps_prefill_rows_beside_decode_rows_by_default():
+    wcpb = SchedulerConfig(max_num_batched_tokens=1024, wavefront_chunked_prefill=True)
+    assert wcpb.prefill_rows_with_decode == 512
+    assert SchedulerConfig(max_num_batched_tokens=1024).prefill_rows_with_decode is None
+    explicit = replace(wcpb, max_prefill_rows_with_decode=1024)
+    assert explicit.prefill_rows_with_decode == 1024  # a user's value wins
 
 
 def _out_of_phase(second: Request, a_tokens: int = 12) -> Scheduler:

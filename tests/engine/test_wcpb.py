@@ -182,6 +182,7 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
         prefill_chunk_size=4,
         max_num_batched_tokens=41,  # one decode row + room for ~2.5 requests' rings (16 rows)
         max_num_seqs=4,
+        max_prefill_rows_with_decode=41,  # no cap: the planner's own selection
     )
     eng.add_request("d", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True))
     while eng.scheduler.requests["d"].in_prefill:

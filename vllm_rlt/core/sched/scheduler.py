@@ -3,8 +3,8 @@
 Invariant of `schedule()`: every row of the plan's first invocation counts against
 `max_num_batched_tokens`; every running request holds the KV for all the positions it may write
 (reserved at admission), so no step can run out of KV; decode rows come before prefill tasks, and
-a batch with decode rows takes at most `max_prefill_rows_with_decode` prefill rows (a latency
-rule: decode rows wait for every row of their invocation).
+a batch with decode rows takes at most `prefill_rows_with_decode` prefill rows (a latency
+rule: decode rows wait for every row of their invocation; WCPB's default: half the budget).
 
 `loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
@@ -104,7 +104,7 @@ class Scheduler:
         if self.config.scheduling_mode == "mixed":
             decode_tasks, samples = self._decode_work(budget)
             prefill_budget = budget - len(decode_tasks)
-            cap = self.config.max_prefill_rows_with_decode
+            cap = self.config.prefill_rows_with_decode
             if decode_tasks and cap is not None:
                 prefill_budget = min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
