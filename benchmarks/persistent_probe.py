@@ -164,21 +164,12 @@ def _resident_dot_kernel(
     """`_resident_kernel`'s chain with `_phase_dot` (no loads ahead of the barriers)."""
     pid = tl.program_id(0)
     P = tl.num_programs(0)
-    s0, s1, s2, s3 = N0 * K0, N1 * K1, N2 * K2, N3 * K3
-    step = 0
+    ws, ns, ks = (w0, w1, w2, w3), (N0, N1, N2, N3), (K0, K1, K2, K3)
+    srcs, dsts = (x_ptr, a_ptr, b_ptr, a_ptr), (a_ptr, b_ptr, a_ptr, x_ptr)
     for layer in range(0, n_layers):
-        _phase_dot(w0, s0, layer, N0, K0, x_ptr, a_ptr, pid, P, BN, BK)
-        step += 1
-        _barrier(bar_ptr, step * P)
-        _phase_dot(w1, s1, layer, N1, K1, a_ptr, b_ptr, pid, P, BN, BK)
-        step += 1
-        _barrier(bar_ptr, step * P)
-        _phase_dot(w2, s2, layer, N2, K2, b_ptr, a_ptr, pid, P, BN, BK)
-        step += 1
-        _barrier(bar_ptr, step * P)
-        _phase_dot(w3, s3, layer, N3, K3, a_ptr, x_ptr, pid, P, BN, BK)
-        step += 1
-        _barrier(bar_ptr, step * P)
+        for p in tl.static_range(4):
+            _phase_dot(ws[p], ns[p] * ks[p], layer, ns[p], ks[p], srcs[p], dsts[p], pid, P, BN, BK)
+            _barrier(bar_ptr, (layer * 4 + p + 1) * P)
     _count_out(bar_ptr, P)
 
 
@@ -203,30 +194,21 @@ def _resident_kernel(
     pid = tl.program_id(0)
     P = tl.num_programs(0)
     yes = pid >= 0
-    pf = yes
-    s0, s1, s2, s3 = N0 * K0, N1 * K1, N2 * K2, N3 * K3
-    ptrs, mask = _tile(w0, s0, 0, N0, K0, pid, 0, yes, BN, BK, 1)
+    ws, ns, ks = (w0, w1, w2, w3), (N0, N1, N2, N3), (K0, K1, K2, K3)
+    ss = (N0 * K0, N1 * K1, N2 * K2, N3 * K3)
+    srcs, dsts = (x_ptr, a_ptr, b_ptr, a_ptr), (a_ptr, b_ptr, a_ptr, x_ptr)
+    ptrs, mask = _tile(w0, ss[0], 0, N0, K0, pid, 0, yes, BN, BK, 1)
     w_tile = tl.load(ptrs, mask=mask, other=0.0)
-    step = 0
     for layer in range(0, n_layers):
-        nl = layer + 1
-        more = pf & (nl < n_layers)
-        w_tile = _phase(w0, s0, layer, N0, K0, x_ptr, a_ptr, w1, s1, layer, N1, K1, pf,
-                        w_tile, pid, P, BN, BK, PD, PREFETCH == 1, LINE)  # fmt: skip
-        step += 1
-        _barrier(bar_ptr, step * P)
-        w_tile = _phase(w1, s1, layer, N1, K1, a_ptr, b_ptr, w2, s2, layer, N2, K2, pf,
-                        w_tile, pid, P, BN, BK, PD, PREFETCH == 1, LINE)  # fmt: skip
-        step += 1
-        _barrier(bar_ptr, step * P)
-        w_tile = _phase(w2, s2, layer, N2, K2, b_ptr, a_ptr, w3, s3, layer, N3, K3, pf,
-                        w_tile, pid, P, BN, BK, PD, PREFETCH == 1, LINE)  # fmt: skip
-        step += 1
-        _barrier(bar_ptr, step * P)
-        w_tile = _phase(w3, s3, layer, N3, K3, a_ptr, x_ptr, w0, s0, nl, N0, K0, more,
-                        w_tile, pid, P, BN, BK, PD, PREFETCH == 1, LINE)  # fmt: skip
-        step += 1
-        _barrier(bar_ptr, step * P)
+        for p in tl.static_range(4):
+            # the next projection ((p + 1) % 4): of the next layer after down
+            n_layer = layer + (p == 3)
+            n_ok = yes & (n_layer < n_layers)
+            w_tile = _phase(ws[p], ss[p], layer, ns[p], ks[p], srcs[p], dsts[p],
+                            ws[(p + 1) % 4], ss[(p + 1) % 4], n_layer, ns[(p + 1) % 4],
+                            ks[(p + 1) % 4], n_ok, w_tile, pid, P, BN, BK, PD, PREFETCH == 1,
+                            LINE)  # fmt: skip
+            _barrier(bar_ptr, (layer * 4 + p + 1) * P)
     _count_out(bar_ptr, P)
 
 
