@@ -115,7 +115,14 @@ def _check_equals_eager(segments, backend, spec: GraphSpec):
     assert inv.spec == spec and inv.meta.max_context == max_context
     assert out.shape[0] == gate.shape[0] == hidden.shape[0] < spec.num_rows  # padded
     assert rel_err(out, eager.hidden) < 1e-6
-    assert rel_err(gate, eager.gate_logits) < 1e-6
+    # The gate logit is a dot product with cancellation (its terms sum to ~30x the logit here),
+    # so the rows' last-bit differences (CPU GEMMs of 3 and of 4 rows accumulate in different
+    # orders on AVX-512) grow ~30x in it: check it against the gate of the graph's own rows, and
+    # against eager's within 1e-6 of the size of its terms.
+    gate_layer = ex.model.model.early_exit_gate
+    assert rel_err(gate, gate_layer(out).squeeze(-1)) < 1e-6
+    terms = (out.abs() @ gate_layer.weight.abs().T).squeeze(-1)
+    assert ((gate - eager.gate_logits).abs() <= 1e-6 * terms).all()
 
     kv, m = ex.kv_cache.kv, ex.kv_manager
     written = torch.zeros(kv.shape[2] * BLOCK_SIZE, dtype=torch.bool)
