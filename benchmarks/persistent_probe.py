@@ -62,6 +62,13 @@ def _tile(
 
 
 @triton.jit
+def _num_tiles(N, K, pid, P, BN: tl.constexpr, BK: tl.constexpr):
+    """Tiles of program `pid` (of P) in a [N, K] weight: its blocks pid, pid + P, ... times the
+    K steps of each."""
+    return tl.maximum((N // BN - pid + P - 1) // P, 0) * (K // BK)
+
+
+@triton.jit
 def _barrier(bar_ptr, target):
     """Grid-wide barrier: count this program in, wait until `target` programs are counted."""
     tl.debug_barrier()
@@ -78,7 +85,7 @@ def _tile_of(j, w_ptr, w_stride, layer, N, K, nw_ptr, nw_stride, n_layer, nN, nK
     """Pointers and mask of this program's j-th tile: of this projection while j < its tiles,
     then of the next projection (when n_ok)."""
     kc_n = K // BK
-    total = tl.maximum((N // BN - pid + P - 1) // P, 0) * kc_n
+    total = _num_tiles(N, K, pid, P, BN, BK)
     nkc_n = nK // BK
     jn = tl.maximum(j - total, 0)
     nblk = pid + (jn // nkc_n) * P
@@ -100,8 +107,7 @@ def _phase(
     n_layer) when n_ok. PD > 0: also pull the tile PD ahead into the L2 (into the next
     projection's first tiles near the end)."""
     kc_n = K // BK
-    count = tl.maximum((N // BN - pid + P - 1) // P, 0)
-    total = count * kc_n
+    total = _num_tiles(N, K, pid, P, BN, BK)
     args = (w_ptr, w_stride, layer, N, K, nw_ptr, nw_stride, n_layer, nN, nK, n_ok, pid, P)
     if not LOADED:
         ptrs, mask = _tile_of(0, *args, BN, BK, 1)
@@ -137,7 +143,7 @@ def _phase_dot(w_ptr, w_stride, layer, N, K, x_ptr, y_ptr, pid, P, BN: tl.conste
     """y = W x as the few-row GEMM computes it (x padded to 16 rows, tl.dot), over one flat
     loop of (block, K step) that the compiler pipelines across blocks."""
     kc_n = K // BK
-    total = tl.maximum((N // BN - pid + P - 1) // P, 0) * kc_n
+    total = _num_tiles(N, K, pid, P, BN, BK)
     offs_m = tl.arange(0, 16)
     acc = tl.zeros([16, BN], tl.float32)
     for it in range(0, total):
