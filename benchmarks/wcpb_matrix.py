@@ -9,7 +9,8 @@ Writes `results.json` (every run), `summary.json` and `README.md` (tables with W
 ratios beside each profile's invocation bound) and PNG plots when matplotlib is installed.
 A run may be split across calls with `--cells` (indices into the cell list): runs already in
 `results.json` are kept, except those of the cells being run again, and every call's command
-and versions are listed. On a GPU,
+and versions are listed. The files are written after every run, so a call cut off by a time
+limit keeps the runs it finished. On a GPU,
 `--busy-rounds` more interleaved rounds per cell run under the CUDA activity recorder and give
 the GPU busy fraction and the device time of each invocation shape (`invocation_ms` in
 `results.json`: `vllm_rlt.worker.invocation_timer`); they are kept out of the other medians
@@ -285,13 +286,12 @@ def plot(cells_summary: list[dict], out_dir: Path) -> None:
         plt.close(fig)
 
 
-def _save(out_dir: Path, calls: list[dict], runs: list[dict]) -> list[dict]:
+def _save(out_dir: Path, calls: list[dict], runs: list[dict]) -> None:
     summary = summarize_matrix(runs)
     (out_dir / "results.json").write_text(json.dumps({"calls": calls, "runs": runs}, indent=1))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "README.md").write_text(markdown(summary, calls))
     plot(summary, out_dir)
-    return summary
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 s = runs[-1]["summary"]
                 print(f"chunk {chunk} {profile} {inputs} r{r} {mode}: "
                       f"{s['request_throughput']:.3f} req/s", flush=True)  # fmt: skip
-        summary = _save(out_dir, calls, runs)  # after every cell: a cut-off call keeps its cells
-    return summary
+                _save(out_dir, calls, runs)  # after every run: a cut-off call keeps it
+    return summarize_matrix(runs)
 
 
 if __name__ == "__main__":

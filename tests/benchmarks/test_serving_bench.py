@@ -118,6 +118,29 @@ def test_wcpb_matrix_smoke_interleaves_modes_and_reports_the_bound(tmp_path):
     assert len(results["runs"]) == 3 + 3  # one repeat of each cell, three modes each
 
 
+def test_wcpb_matrix_keeps_the_runs_of_a_call_cut_off_mid_cell(tmp_path, monkeypatch):
+    import benchmarks.wcpb_matrix as wcpb_matrix
+
+    real_run_one = wcpb_matrix.run_one
+    done = []
+
+    def cut_off_at_the_third_run(*args):
+        if len(done) == 2:
+            raise TimeoutError("the call's time limit")  # as `timeout` ends a GPU call
+        done.append(real_run_one(*args))
+        return done[-1]
+
+    monkeypatch.setattr(wcpb_matrix, "run_one", cut_off_at_the_third_run)
+    argv = ["--smoke", "--out-dir", str(tmp_path), "--chunks", "32", "--cells", "0"]
+    with pytest.raises(TimeoutError):
+        wcpb_matrix.main(argv + ["--repeats", "2", "--modes", "split", "wcpb"])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [(r["mode"], r["repeat"]) for r in runs] == [("split", 0), ("wcpb", 0)]
+    assert [r["summary"] for r in runs] == [r["summary"] for r in done]
+    (cell,) = json.loads((tmp_path / "summary.json").read_text())
+    assert cell["modes"]["wcpb"]["repeats"] == 1
+
+
 def test_gpu_busy_merges_overlapping_device_activity():
     events = [
         {"cat": "kernel", "ts": 0.0, "dur": 10.0},
