@@ -13,7 +13,16 @@ its seed, and the engine counters of the run give the recurrent-core rows and in
 
 The floor is the largest of the three; measured / floor says how far a mode is from it.
 
+With `--offline`, the results are the offline benchmark's (benchmarks/offline_throughput.py: per
+concurrency c, 2c requests submitted together, max_num_seqs = c, fixed depth). Its work is
+rebuilt from the arguments: requests in waves of c, each wave's prompts in invocations full to
+the token budget and its decode rows in lockstep (the fewest invocations max_num_seqs allows).
+Two floors: the phases' floors added (each the larger of its compute and memory), for a schedule
+whose prefill and decode run in separate invocations, and the larger of the whole run's compute
+and memory, for one that hides either completely under the other.
+
     python -m benchmarks.roofline docs/benchmarks/wcpb-matrix/results.json
+    python -m benchmarks.roofline --offline docs/benchmarks/engine-offline-steps/12-*.json
 """
 
 from __future__ import annotations
@@ -42,21 +51,25 @@ def layer_params(shape: dict) -> int:
 
 
 def request_work(shape: dict, prompt: int, output: int, chunk: int, tile_rows: int) -> dict:
-    """Attention FLOPs and K/V bytes of one request through every loop (positions 0-based)."""
+    """Attention FLOPs and K/V bytes of one request through every loop (positions 0-based), in
+    all and split into its "prefill" and "decode" rows."""
     layers, loops = shape["num_hidden_layers"], shape["total_ut_steps"]
-    q_width = shape["num_attention_heads"] * shape["head_dim"]
-    kv_row = 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2 * layers  # bf16 K and V
+    flops_per_key = loops * 4 * shape["num_attention_heads"] * shape["head_dim"] * layers
+    kv_row = loops * 2 * shape["num_key_value_heads"] * shape["head_dim"] * 2 * layers  # bf16
     fed = prompt + output - 1  # positions that pass the core (the last output is not fed back)
-    visible = fed * (fed + 1) // 2  # keys seen by all rows: position p sees p + 1
-    decode_keys = visible - prompt * (prompt + 1) // 2
+    prompt_keys = prompt * (prompt + 1) // 2  # keys seen by the prompt: position p sees p + 1
+    decode_keys = fed * (fed + 1) // 2 - prompt_keys
     tile_ends = 0  # keys read by the prefill tiles: a tile reads up to its last position
     for start in range(0, prompt, chunk):
         end = min(start + chunk, prompt)
         tile_ends += sum(min(t + tile_rows, end) for t in range(start, end, tile_rows))
-    return {
-        "attention_flops": loops * 4 * q_width * visible * layers,
-        "kv_bytes": loops * kv_row * (fed + decode_keys + tile_ends),
-    }
+    phases = {  # each row writes its K/V and reads its keys
+        "prefill": {"attention_flops": flops_per_key * prompt_keys,
+                    "kv_bytes": kv_row * (prompt + tile_ends)},
+        "decode": {"attention_flops": flops_per_key * decode_keys,
+                   "kv_bytes": kv_row * (fed - prompt + decode_keys)},
+    }  # fmt: skip
+    return {k: phases["prefill"][k] + phases["decode"][k] for k in phases["prefill"]} | phases
 
 
 def run_floors(run: dict, call_args: dict, shape: dict, weight_bytes: float, tile_rows: int):
@@ -107,6 +120,54 @@ def mode_floors(results: dict, weight_bytes: float, tile_rows: int, shape_name: 
     return out
 
 
+def offline_floors(results: dict, weight_bytes: float, tile_rows: int) -> list[dict]:
+    """Per concurrency of an offline_throughput results file: the measured wall time and the
+    floors of its work (module docstring)."""
+    args = results["meta"]["args"]
+    shape = SHAPES[args["shape"]]
+    loops, prompt, output = shape["total_ut_steps"], args["prompt_len"], args["output_len"]
+    work = request_work(shape, prompt, output, args["chunk_size"], tile_rows)
+    row_flops = 2.0 * layer_params(shape)
+    coda_flops = 2.0 * shape["hidden_size"] * shape["vocab_size"]  # per output token
+    out = []
+    for r in results["results"]:
+        n, c = r["num_requests"], r["concurrency"]
+        waves = -(-n // c)  # max_num_seqs = c: c requests at a time
+        prefill_inv = loops * waves * -(-c * prompt // args["max_num_batched_tokens"])
+        decode_inv = loops * (output - 1) * waves
+        phases = {
+            "prefill": (n * (prompt * loops * row_flops + work["prefill"]["attention_flops"]),
+                        prefill_inv * weight_bytes + n * work["prefill"]["kv_bytes"]),
+            "decode": (n * ((output - 1) * loops * row_flops + work["decode"]["attention_flops"]
+                            + output * coda_flops),
+                       decode_inv * weight_bytes + n * work["decode"]["kv_bytes"]),
+        }  # fmt: skip
+        secs = {k: (f / (MATMUL_TFLOPS * 1e12), b / (COPY_GBPS * 1e9)) for k, (f, b) in
+                phases.items()}  # fmt: skip
+        compute, memory = (sum(v[i] for v in secs.values()) for i in (0, 1))
+        out.append({
+            "concurrency": c, "measured_s": r["wall_s"], "output_tokens": n * output,
+            "prefill_s": max(secs["prefill"]), "decode_s": max(secs["decode"]),
+            "separate_s": sum(max(v) for v in secs.values()), "overlapped_s": max(compute, memory),
+        })  # fmt: skip
+    return out
+
+
+def offline_table(rows: list[dict]) -> str:
+    lines = ["| c | measured s | output tok/s | prefill floor s | decode floor s | floor, phases "
+             "apart s (tok/s) | floor, phases hidden s (tok/s) | measured / floor |",
+             "|---" * 8 + "|"]  # fmt: skip
+    for r in rows:
+        m, apart, hidden, tokens = (r[k] for k in ("measured_s", "separate_s", "overlapped_s",
+                                                   "output_tokens"))  # fmt: skip
+        lines.append(
+            f"| {r['concurrency']} | {m:.3f} | {tokens / m:.1f} | {r['prefill_s']:.3f} | "
+            f"{r['decode_s']:.3f} | {apart:.3f} ({tokens / apart:.0f}) | {hidden:.3f} "
+            f"({tokens / hidden:.0f}) | {m / apart:.2f} - {m / hidden:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| chunk | profile | inputs | mode | measured s | compute floor s | memory floor s "
              "| last arrival s | measured / floor |", "|---" * 9 + "|"]  # fmt: skip
@@ -126,9 +187,13 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--weight-bytes", type=float, default=2466643968.0,
                    help="shared-layer bytes read per invocation (layer-kernels.json)")  # fmt: skip
     p.add_argument("--tile-rows", type=int, default=64, help="prefill rows per attention tile")
+    p.add_argument("--offline", action="store_true", help="an offline_throughput results file")
     args = p.parse_args(argv)
     results = json.loads(args.results.read_text())
-    out = table(mode_floors(results, args.weight_bytes, args.tile_rows, args.shape))
+    if args.offline:
+        out = offline_table(offline_floors(results, args.weight_bytes, args.tile_rows))
+    else:
+        out = table(mode_floors(results, args.weight_bytes, args.tile_rows, args.shape))
     print(out)
     return out
 
