@@ -42,6 +42,11 @@ COPY_GBPS = 4245.8
 MATMUL_TFLOPS = 796.0
 
 
+def seconds(flops: float, nbytes: float) -> tuple[float, float]:
+    """Compute and memory floors: FLOPs over the matmul rate, bytes over the copy bandwidth."""
+    return flops / (MATMUL_TFLOPS * 1e12), nbytes / (COPY_GBPS * 1e9)
+
+
 def layer_params(shape: dict) -> int:
     """Parameters of the shared layers (the recurrent core's GEMM weights)."""
     h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
@@ -88,10 +93,10 @@ def run_floors(run: dict, call_args: dict, shape: dict, weight_bytes: float, til
                             tile_rows)  # fmt: skip
         flops += work["attention_flops"]
         kv += work["kv_bytes"]
-    memory = eng["invocations"] * weight_bytes + kv
+    compute_s, memory_s = seconds(flops, eng["invocations"] * weight_bytes + kv)
     return {
-        "compute_s": flops / (MATMUL_TFLOPS * 1e12),
-        "memory_s": memory / (COPY_GBPS * 1e9),
+        "compute_s": compute_s,
+        "memory_s": memory_s,
         "arrival_s": max(spec.arrival_s for spec in wl.requests),
     }
 
@@ -142,8 +147,7 @@ def offline_floors(results: dict, weight_bytes: float, tile_rows: int) -> list[d
                             + output * coda_flops),
                        decode_inv * weight_bytes + n * work["decode"]["kv_bytes"]),
         }  # fmt: skip
-        secs = {k: (f / (MATMUL_TFLOPS * 1e12), b / (COPY_GBPS * 1e9)) for k, (f, b) in
-                phases.items()}  # fmt: skip
+        secs = {k: seconds(*flops_bytes) for k, flops_bytes in phases.items()}
         compute, memory = (sum(v[i] for v in secs.values()) for i in (0, 1))
         out.append({
             "concurrency": c, "measured_s": r["wall_s"], "output_tokens": n * output,
