@@ -244,10 +244,11 @@ def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
         lines.append("| mode | repeats | " + " | ".join(names) + " |")
         lines.append("|---" * (len(names) + 2) + "|")
         for mode, vals in cell["modes"].items():
-            cols = [
-                f"{vals[name]['median']:.4g} ({vals[name]['min']:.3g}-{vals[name]['max']:.3g})"
+            cols = [  # "-": this mode's profiled round has not run yet (saved after every run)
+                f"{v['median']:.4g} ({v['min']:.3g}-{v['max']:.3g})" if (v := vals.get(name))
+                else "-"
                 for name in names
-            ]
+            ]  # fmt: skip
             lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
         for mode, title in (("wcpb", "WCPB"), ("wcpb-cap", "WCPB with the cap")):
             if f"{mode}_over_split" in cell:

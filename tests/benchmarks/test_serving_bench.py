@@ -155,7 +155,7 @@ def test_gpu_busy_merges_overlapping_device_activity():
 
 
 def test_wcpb_matrix_keeps_profiled_rounds_out_of_the_timed_medians():
-    from benchmarks.wcpb_matrix import summarize_matrix
+    from benchmarks.wcpb_matrix import markdown, summarize_matrix
 
     def run(mode, repeat, rps, profiled=False, busy=None):
         engine = {"rows_per_invocation": 4.0, "prefill_rows_per_prefill_invocation": 8.0}
@@ -175,6 +175,11 @@ def test_wcpb_matrix_keeps_profiled_rounds_out_of_the_timed_medians():
     assert (wcpb["GPU busy"]["median"], split["GPU busy"]["median"]) == (0.75, 0.5)
     assert cell["wcpb_over_split"]["req/s"] == pytest.approx(1.5)
     assert cell["wcpb_over_split"]["invocation bound"] == pytest.approx(2.0)
+    # saved after every run: the table must also render between the two modes' profiled rounds
+    table = markdown(summarize_matrix(runs[:-1]), calls=[]).splitlines()
+    rows = {line.split(" | ")[0]: line for line in table if line.startswith("| ")}
+    assert rows["| wcpb"].endswith(" | - |")
+    assert rows["| split"].endswith(" | 0.5 (0.5-0.5) |")
 
 
 def test_wcpb_matrix_runs_the_capped_wcpb_experiment(tmp_path):
