@@ -224,6 +224,14 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def _spread_text(spread: dict | None) -> str:
+    """'median (min-max)'; '-' for a metric a mode does not have yet (the files are written after
+    every run, so a cell can hold one mode's profiled round and not the other's)."""
+    if spread is None:
+        return "-"
+    return f"{spread['median']:.4g} ({spread['min']:.3g}-{spread['max']:.3g})"
+
+
 def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
     lines = ["# WCPB matrix", "", "Commands (one per call; later calls replace earlier cells):", ""]
     for meta in calls:
@@ -244,11 +252,7 @@ def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
         lines.append("| mode | repeats | " + " | ".join(names) + " |")
         lines.append("|---" * (len(names) + 2) + "|")
         for mode, vals in cell["modes"].items():
-            cols = [  # "-": this mode's profiled round has not run yet (saved after every run)
-                f"{v['median']:.4g} ({v['min']:.3g}-{v['max']:.3g})" if (v := vals.get(name))
-                else "-"
-                for name in names
-            ]  # fmt: skip
+            cols = [_spread_text(vals.get(name)) for name in names]
             lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
         for mode, title in (("wcpb", "WCPB"), ("wcpb-cap", "WCPB with the cap")):
             if f"{mode}_over_split" in cell:
