@@ -65,7 +65,8 @@ BAD_VALUES = [
     ("top_k", 2.5, "top_k must be an int, got 2.5"),
     ("seed", 1.5, "seed must be an int, got 1.5"),
     ("seed", "7", "seed must be an int, got '7'"),
-    ("seed", 2**63, f"seed must fit in int64 .* got {2**63}"),
+    ("seed", 2**63, rf"seed must be in \[0, 2\*\*63 - 1 - \(n - 1\)\] .* got {2**63}"),
+    ("seed", -1, "seed must be in .* got -1 with n=1"),
     ("min_loops", 0, "min_loops must be >= 1, got 0"),
     ("max_loops", 0, "max_loops must be >= 1, got 0"),
     ("max_loops", 2.0, "max_loops must be an int, got 2.0"),
@@ -81,6 +82,11 @@ BAD_VALUES = [
     ("stop", "", "stop must hold non-empty strings, got ''"),
     ("stop", ["a", 3], "stop must hold non-empty strings, got 3"),
     ("stop", 3, "stop must be a str or a list of str, got 3"),
+    (
+        "stop",
+        ["ok", "a\ud800"],
+        "stop is not valid Unicode: a lone surrogate '\\\\ud800' at character 1",
+    ),
     ("logprobs", -1, r"logprobs must be in \[0, 20\], got -1"),
     ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
     ("logprobs", True, "logprobs must be an int, got True"),
@@ -103,14 +109,20 @@ def test_accepts_edge_values():
         temperature=0,
         top_p=1e-9,
         top_k=1,
-        seed=-(2**63),
+        seed=2**63 - 1,
         min_loops=2,
         max_loops=2,
         exit_threshold=0,
         logprobs=20,
     )
-    assert p.exit_threshold == 0.0 and p.logprobs == 20 and p.seed == -(2**63)
+    assert p.exit_threshold == 0.0 and p.logprobs == 20 and p.seed == 2**63 - 1
     assert SamplingParams(exit_threshold=1, logprobs=0).exit_threshold == 1.0
+    assert SamplingParams(n=3, seed=2**63 - 3).seed == 2**63 - 3  # the last sample's seed fits
+
+
+def test_every_samples_seed_fits_in_int64():
+    with pytest.raises(ValueError, match=rf"seed must be .* got {2**63 - 1} with n=2"):
+        SamplingParams(n=2, seed=2**63 - 1)
 
 
 def test_min_loops_above_max_loops():
@@ -118,10 +130,18 @@ def test_min_loops_above_max_loops():
         SamplingParams(min_loops=3, max_loops=2)
 
 
-def test_validate_for_depth():
-    SamplingParams(min_loops=1, max_loops=4).validate_for_depth(4)
-    SamplingParams().validate_for_depth(1)
+def test_validate_for_model():
+    SamplingParams(min_loops=1, max_loops=4, top_k=96, logprobs=20).validate_for_model(4, 96)
+    SamplingParams().validate_for_model(1, 2)
     with pytest.raises(ValueError, match=r"max_loops must be in \[1, 4\] .*, got 5"):
-        SamplingParams(max_loops=5).validate_for_depth(4)
+        SamplingParams(max_loops=5).validate_for_model(4, 96)
     with pytest.raises(ValueError, match=r"min_loops must be in \[1, 3\] .*, got 4"):
-        SamplingParams(min_loops=4).validate_for_depth(3)
+        SamplingParams(min_loops=4).validate_for_model(3, 96)
+    with pytest.raises(ValueError, match=r"top_k must be -1, 0 \(off\) or in \[1, 96\] .*, got 97"):
+        SamplingParams(top_k=97).validate_for_model(4, 96)
+    with pytest.raises(ValueError, match=r"top_k .* got 9223372036854775808"):
+        SamplingParams(top_k=2**63).validate_for_model(4, 96)
+    with pytest.raises(ValueError, match="logprobs must be at most 16 .*, got 17"):
+        SamplingParams(logprobs=17).validate_for_model(4, 16)
+    with pytest.raises(ValueError, match=r"stop_token_ids has ids outside .* \[0, 96\): \[96\]"):
+        SamplingParams(stop_token_ids=[95, 96]).validate_for_model(4, 96)

@@ -11,7 +11,9 @@ class CompletionOutput:
     text: str  # detokenized output (a matched stop string is excluded)
     token_ids: list[int]  # generated tokens
     exit_depths: list[int]  # loops behind each token's logits (1..D; the first token reports D)
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    # "stop", "length", "abort", "error" (a fault of this request ended it; the engine logged
+    # it), or None while running
+    finish_reason: str | None
     # per token: {token id: logprob} for the sampled token and the top alternatives
     logprobs: list[dict[int, float]] | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -14,6 +14,7 @@ class RequestStatus(str, Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # an error attributable to this request ended it (engine log)
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,8 @@
 """Per-request sampling and looping options (frozen, validated on construction).
 
 Names and defaults follow vLLM's `SamplingParams`. Every bad value raises `ValueError` naming the
-field and the value. The loop bounds are checked against the model's depth later, by the engine,
-through `validate_for_depth`.
+field and the value. What depends on the model (the loop bounds against its depth, top_k and
+logprobs against its vocabulary) is checked later, by the engine, through `validate_for_model`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (vLLM's default max_logprobs)
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+SEED_MAX = 2**63 - 1  # seeds are int64 on the device; every sample's seed (seed + i) fits
 
 
 def _int(name: str, value: Any) -> int:
@@ -34,6 +34,18 @@ def _float(name: str, value: Any) -> float:
     return value
 
 
+def check_text(name: str, text: str) -> None:
+    """Raise ValueError unless `text` is a sequence of Unicode scalar values (a lone surrogate,
+    such as JSON's "\\ud800", is not: no tokenizer or UTF-8 encoder accepts it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name} is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
+            f"{err.start}"
+        ) from None
+
+
 def _at_least(name: str, value: Any, low: int) -> int:
     value = _int(name, value)
     if value < low:
@@ -48,6 +60,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     for item in items:
         if not isinstance(item, str) or not item:
             raise ValueError(f"stop must hold non-empty strings, got {item!r} in {value!r}")
+        check_text("stop", item)
     return tuple(items)
 
 
@@ -67,8 +80,10 @@ class SamplingParams:
     max_tokens: int = 16  # most tokens to generate per completion (>= 1)
     temperature: float = 1.0  # softmax temperature (>= 0); 0 (below 1e-5) samples greedily
     top_p: float = 1.0  # nucleus: keep the fewest top tokens whose mass reaches top_p; 1 = off
-    top_k: int = 0  # keep the k most likely tokens; 0 = off (-1 is accepted and stored as 0)
-    seed: int | None = None  # per-request seed (int64); None = the engine draws one
+    # keep the k most likely tokens; 0 = off (-1 is accepted and stored as 0); the engine checks
+    # k against the vocabulary
+    top_k: int = 0
+    seed: int | None = None  # sample i's seed is seed + i, in [0, 2**63 - 1]; None = drawn
     min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
     max_loops: int | None = None  # most loops a decode token runs; None = the model's depth
     exit_threshold: float | None = None  # exit when cumulative exit prob >= this; None = config
@@ -99,8 +114,11 @@ class SamplingParams:
 
         if self.seed is not None:
             seed = _int("seed", self.seed)
-            if not _INT64_MIN <= seed <= _INT64_MAX:
-                raise ValueError(f"seed must fit in int64 [-2**63, 2**63 - 1], got {seed}")
+            if not 0 <= seed <= SEED_MAX - (self.n - 1):
+                raise ValueError(
+                    f"seed must be in [0, 2**63 - 1 - (n - 1)] (sample i uses seed + i), got "
+                    f"{seed} with n={self.n}"
+                )
             fix("seed", seed)
 
         for name in ("min_loops", "max_loops"):
@@ -139,8 +157,23 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature 0, or below 1e-5, or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
-    def validate_for_depth(self, num_loops: int) -> None:
-        """Check the loop bounds against the model's depth D = `num_loops`: each in [1, D]."""
+    def validate_for_model(self, num_loops: int, vocab_size: int) -> None:
+        """Check what depends on the model: the loop bounds against its depth D = `num_loops`
+        (each in [1, D]); `top_k`, `logprobs` and `stop_token_ids` against its vocabulary."""
+        if self.top_k > vocab_size:
+            raise ValueError(
+                f"top_k must be -1, 0 (off) or in [1, {vocab_size}] (the vocabulary), got "
+                f"{self.top_k}"
+            )
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(
+                f"logprobs must be at most {vocab_size} (the vocabulary), got {self.logprobs}"
+            )
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(
+                f"stop_token_ids has ids outside the vocabulary [0, {vocab_size}): {outside[:5]}"
+            )
         for name in ("min_loops", "max_loops"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= num_loops:

@@ -86,6 +86,9 @@ def test_abort_in_any_state_frees_everything(model_dir, state):
         ([1, 2], SamplingParams(min_loops=5), "min_loops"),
         ([1, 2], SamplingParams(max_tokens=1020), "positions"),
         ([1, 2], SamplingParams(max_tokens=600), "KV"),
+        ("ab\ud800", SamplingParams(), "prompt is not valid Unicode"),
+        ([1, 2], SamplingParams(top_k=2**63), r"top_k must be .* \(the vocabulary\)"),
+        ([1, 2], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids has ids outside"),
     ],
 )
 def test_bad_input_is_rejected_and_others_keep_running(model_dir, prompt, params, needle):
@@ -99,6 +102,37 @@ def test_bad_input_is_rejected_and_others_keep_running(model_dir, prompt, params
     results = run_batched(eng, [])
     assert len(results["ok"][0]) == 6
     assert kv_all_free(eng)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_fault_in_one_requests_processing_ends_that_request_only(model_dir, async_scheduling):
+    """The victim's output processing raises at its third token: it ends with finish_reason
+    "error" and its KV freed; the others finish exactly as without it, and the engine goes on."""
+    want = run_batched(engine(model_dir, max_num_seqs=3), OTHERS)
+    eng = engine(model_dir, max_num_seqs=3, async_scheduling=async_scheduling)
+    victim = [60, 61, 62, 63]
+    process = eng.outputs.process
+
+    def faulty(req):
+        if req.prompt_token_ids == victim and len(req.output_token_ids) == 3:
+            raise RuntimeError("detokenizer fault")
+        return process(req)
+
+    eng.outputs.process = faulty
+    eng.add_request("v", victim, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for job in OTHERS:
+        eng.add_request(job.req_id, job.prompt, job.params)
+    finals = _finish(eng)
+    assert finals["v"].outputs[0].finish_reason == "error"
+    assert len(finals["v"].outputs[0].token_ids) < 12
+    got = {
+        k: (tuple(o.outputs[0].token_ids), tuple(o.outputs[0].exit_depths))
+        for k, o in finals.items()
+    }
+    assert {k: v for k, v in got.items() if k != "v"} == want
+    assert kv_all_free(eng)
+    eng.add_request("after", OTHERS[0].prompt, OTHERS[0].params)
+    assert _finish(eng)["after"].outputs[0].token_ids == list(want["o1"][0])
 
 
 @pytest.mark.parametrize(

@@ -192,13 +192,15 @@ def test_models_health_and_metrics(client, server):
 
 
 # ---- errors ----------------------------------------------------------------------------------
-def _post(server, body, path="/v1/completions", headers=AUTH) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+def _post(server, body, path="/v1/completions", headers=AUTH, content_type="application/json"):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body).encode()
+    if content_type is not None:
+        headers = {**headers, "Content-Type": content_type}
     return httpx.post(server.url + path, content=content, headers=headers)
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "NotFoundError",
-               413: "invalid_request_error"}  # fmt: skip
+               413: "invalid_request_error", 415: "invalid_request_error"}  # fmt: skip
 
 
 def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> str:
@@ -240,6 +242,20 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": 2000}, None),  # beyond the model's 1024 positions
     ({"prompt": "x", "max_tokens": 400}, None),  # beyond the KV cache's 256 positions
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
+    ({"prompt": "a", "max_tokens": 2, "top_k": 2**63}, "top_k"),  # once killed the engine
+    ({"prompt": "a", "top_k": 513}, "top_k"),  # the tiny vocabulary has 512 tokens
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    # n = 2 gives the second sample seed + 1, beyond int64 (once killed the engine)
+    ({"prompt": "a", "max_tokens": 2, "temperature": 0, "seed": 2**63 - 1, "n": 2}, "seed"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "seed": 2**64}, "seed"),
+    ({"prompt": "a", "n": 17}, "n"),  # above --max-n (16)
+    ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate
+    ({"prompt": ["ok", "\udfff"]}, "prompt"),
+    ({"prompt": "a", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "a", "user": "\ud800"}, "user"),
+    ({"prompt": "a", "\ud800": 1}, None),  # in a key
+    ({"prompt": "a", "stop_token_ids": [3, 2**70]}, "stop_token_ids"),
 ]
 
 
@@ -260,6 +276,25 @@ def test_error_statuses(server, client):
     _assert_error(_post(server, {"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)
     _assert_error(httpx.get(server.url + "/v1/models"), 401)
     _assert_error(_post(server, {"prompt": "x" * 5000}), 413)
+    _assert_error(_post(server, {"prompt": "x"}, content_type="text/plain"), 415)
+    _assert_error(_post(server, {"prompt": "x"}, content_type=None), 415)
+    deep = '{"prompt": "x", "stop": ' + "[" * 1900 + "]" * 1900 + "}"
+    assert "nested deeper" in _assert_error(_post(server, deep), 400)
+    assert "nested deeper" in _assert_error(
+        _post(
+            server,
+            {
+                "prompt": "x",
+                "user": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],
+            },
+        ),
+        400,
+    )
+    surrogate = {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}
+    msg = _assert_error(_post(server, surrogate, "/v1/chat/completions"), 400, "messages")
+    assert "messages.0.content.0.text is not valid Unicode" in msg
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}
+    _assert_error(_post(server, chat, "/v1/chat/completions"), 400, "max_completion_tokens")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
     with pytest.raises(openai.BadRequestError):

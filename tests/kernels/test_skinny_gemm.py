@@ -93,7 +93,9 @@ SPLIT_K = SkinnyConfig(block_k=32, programs_per_sm=256, min_k_steps=1)  # 3 spli
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", [None, SPLIT_K], ids=["whole-k", "split-k"])
 def test_the_swiglu_epilogue_is_silu_mul_of_the_gemm(device, dtype, config):
-    x, gate_up = exact_operands(5, 2 * 72, 96, dtype, device, seed=3)  # I = 72: a partial last block
+    x, gate_up = exact_operands(
+        5, 2 * 72, 96, dtype, device, seed=3
+    )  # I = 72: a partial last block
     expected = fused_ops.silu_mul(skinny_gemm.skinny_linear(x, gate_up, config))
     assert torch.equal(skinny_gemm.skinny_swiglu(x, gate_up, config), expected)
 

@@ -22,6 +22,7 @@ import torch
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.request import RequestStatus
 from vllm_rlt.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,11 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """`max_waiting_requests` requests are already waiting."""
+    """`max_waiting_requests` samples are already waiting."""
+
+
+class RequestFailedError(RuntimeError):
+    """A fault of this request ended it (finish_reason "error"); other requests go on."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,10 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            if any(c.finish_reason == RequestStatus.FINISHED_ERROR.value for c in item.outputs):
+                raise RequestFailedError(
+                    f"request {self.request_id} failed while generating; see the server log"
+                )
         return item
 
     def close(self) -> None:
@@ -91,7 +100,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         # commands applied before the next step: ("add", id, prompt, params, future) / ("abort", id)
         self._commands: list[tuple] = []
-        self._num_pending_adds = 0
+        self._num_pending_samples = 0  # samples of queued adds (they count as waiting)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -126,15 +135,19 @@ class AsyncLLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError for
-        bad input, QueueFullError when too many wait, EngineDeadError after a loop failure."""
+        bad input, QueueFullError when too many samples wait (each of the n samples counts),
+        EngineDeadError after a loop failure."""
         self.start()
         self._check_alive()
         limit = self.max_waiting_requests
-        if limit is not None and self.snapshot.num_waiting + self._num_pending_adds >= limit:
-            raise QueueFullError(f"{limit} requests are already waiting; retry later")
+        if (
+            limit is not None
+            and self.snapshot.num_waiting + self._num_pending_samples + params.n > limit
+        ):
+            raise QueueFullError(f"{limit} samples are already waiting; retry later")
         future = asyncio.get_running_loop().create_future()
         stream = RequestStream(self, request_id)
-        self._num_pending_adds += 1
+        self._num_pending_samples += params.n
         self._commands.append(("add", request_id, prompt, params, future, stream))
         self._wakeup.set()
         try:
@@ -201,12 +214,14 @@ class AsyncLLMEngine:
                 self.engine.abort_request(cmd[1])
                 continue
             _, request_id, prompt, params, future, stream = cmd
-            self._num_pending_adds -= 1
+            self._num_pending_samples -= params.n
             if future.cancelled():
                 continue
-            try:
+            try:  # a request that cannot be added fails alone (the engine queues all or nothing)
                 self.engine.add_request(request_id, prompt, params)
-            except ValueError as err:
+            except Exception as err:
+                if not isinstance(err, ValueError):
+                    logger.exception("adding request %s failed", request_id)
                 future.set_exception(err)
                 continue
             self._streams[request_id] = stream
@@ -235,4 +250,4 @@ class AsyncLLMEngine:
             if cmd[0] == "add" and not cmd[4].done():
                 cmd[4].set_exception(error)
         self._commands.clear()
-        self._num_pending_adds = 0
+        self._num_pending_samples = 0

@@ -13,6 +13,7 @@ only to work queued after it on the same stream.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -31,11 +32,13 @@ from vllm_rlt.models.loader import LoadedModel, load_model, read_config
 from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import SamplingParams, check_text
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, graphs_supported
 from vllm_rlt.worker.graph_tables import graph_specs
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -129,13 +132,23 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         settings = self._exit_settings(params, exit_trace)
         children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        self.outputs.add(request_id, text, ids, children)
         now = time.monotonic() if arrival_time is None else arrival_time
-        for i, child in enumerate(children):
-            seed = self._seeds.getrandbits(62) if params.seed is None else params.seed + i
-            req = Request(
-                child, list(ids), params, settings, seed, self.eos_token_ids, now, priority
+        reqs = [
+            Request(
+                child,
+                list(ids),
+                params,
+                settings,
+                self._seeds.getrandbits(62) if params.seed is None else params.seed + i,
+                self.eos_token_ids,
+                now,
+                priority,
             )
+            for i, child in enumerate(children)
+        ]
+        # everything above may fail; nothing below does, so a request is queued whole or not at all
+        self.outputs.add(request_id, text, ids, children)
+        for req in reqs:
             self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -157,6 +170,7 @@ class LLMEngine:
                 raise ValueError(
                     "prompt: text needs a tokenizer; this model has none, pass token ids"
                 )
+            check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt).ids
         return None, list(prompt)
 
@@ -169,7 +183,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt has token ids outside the vocabulary [0, {c.vocab_size}): {bad[:5]}"
             )
-        params.validate_for_depth(self.num_loops)
+        params.validate_for_model(self.num_loops, c.vocab_size)
         total = len(ids) + params.max_tokens
         if total > c.max_position_embeddings:
             raise ValueError(
@@ -212,10 +226,21 @@ class LLMEngine:
         touched = self.scheduler.apply_tokens(batch, launched.read_tokens())
         for req in touched:
             self.stats.record_token(req.output_exit_depths[-1])
-            hit = self.outputs.process(req)
+            try:  # detokenization, stop strings, logprobs: work of this request alone
+                hit = self.outputs.process(req)
+            except Exception:
+                self._fail_request(req.request_id)
+                continue
             if hit is not None and not req.status.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         return self.outputs.collect([r.request_id for r in touched])
+
+    def _fail_request(self, req_id: str) -> None:
+        """End one request whose own processing raised (finish_reason "error", its KV freed);
+        every other request goes on."""
+        logger.exception("request %s failed; it ends with finish_reason 'error'", req_id)
+        self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
+        self.outputs.finish(req_id, RequestStatus.FINISHED_ERROR)
 
     @torch.inference_mode()
     def generate_all(self) -> list[RequestOutput]:

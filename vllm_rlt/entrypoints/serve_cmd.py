@@ -7,6 +7,7 @@ import contextlib
 from pathlib import Path
 
 from vllm_rlt.entrypoints import cli_args
+from vllm_rlt.entrypoints.openai.serving_common import DEFAULT_MAX_N
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="answer 429 when this many requests wait for admission (default: no limit)",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help="answer 400 for requests that ask for more samples (n) than this",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -59,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: max_waiting_requests must be >= 1")
     if args.max_body_bytes < 1:
         raise SystemExit("error: max_body_bytes must be >= 1")
+    if args.max_n < 1:
+        raise SystemExit("error: max_n must be >= 1")
     try:
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
         engine = LLMEngine(config)
@@ -71,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         args.api_key,
         max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
+        max_n=args.max_n,
     )
     print(f"vllm-rlt: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(

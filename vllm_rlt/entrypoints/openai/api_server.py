@@ -26,7 +26,12 @@ from vllm_rlt.entrypoints.openai.protocol import (
     ModelList,
 )
 from vllm_rlt.entrypoints.openai.serving_chat import create_chat_completion
-from vllm_rlt.entrypoints.openai.serving_common import APIError, ServerState, read_json
+from vllm_rlt.entrypoints.openai.serving_common import (
+    DEFAULT_MAX_N,
+    APIError,
+    ServerState,
+    read_json,
+)
 from vllm_rlt.entrypoints.openai.serving_completion import create_completion
 from vllm_rlt.models.tiny import default_model_dir
 
@@ -41,6 +46,7 @@ def build_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = None,
+    max_n: int = DEFAULT_MAX_N,
 ) -> FastAPI:
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
@@ -49,7 +55,7 @@ def build_app(
     metrics = ServerMetrics(engine.engine.num_loops)
     model_dir = engine.engine.config.model.model or default_model_dir()
     chat = ChatRenderer(model_dir)
-    state = ServerState(engine, served_model_name, api_key, max_body_bytes, metrics, chat)
+    state = ServerState(engine, served_model_name, api_key, max_body_bytes, metrics, chat, max_n)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

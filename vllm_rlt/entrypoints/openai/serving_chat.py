@@ -30,7 +30,6 @@ from vllm_rlt.entrypoints.openai.serving_common import (
     add_all,
     engine_error,
     merge,
-    sampling_params,
     sse,
     usage,
 )
@@ -76,7 +75,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     im_end = state.tokenizer.token_to_id(IM_END) if state.tokenizer else None
     if im_end is not None:
         kwargs["stop_token_ids"] = (*kwargs["stop_token_ids"], im_end)
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    max_tokens = req.max_tokens
+    if req.max_completion_tokens is not None:  # the newer name wins; 0 is a value, not "unset"
+        max_tokens = req.max_completion_tokens
+        if max_tokens < 1:
+            msg = f"max_completion_tokens must be >= 1, got {max_tokens}"
+            raise APIError(400, msg, param="max_completion_tokens")
     if max_tokens is None:  # the rest of the context, within what the KV cache can hold
         kv_room = state.engine.engine.kv_manager.max_tokens_per_request() + 1
         max_tokens = max(1, min(state.max_model_len, kv_room) - len(ids))
@@ -85,7 +89,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         logprobs = req.top_logprobs or 0
     elif req.top_logprobs is not None:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    params = sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    params = state.sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
     request_id = random_id("chatcmpl")
     streams = await add_all(state, request_id, [ids], params)
     if req.stream:

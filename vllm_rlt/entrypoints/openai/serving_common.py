@@ -13,13 +13,19 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from tokenizers import Tokenizer
 
-from vllm_rlt.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from vllm_rlt.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+)
 from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import SamplingParams, check_text
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+DEFAULT_MAX_N = 16  # most samples one request may ask for (--max-n)
 
 
 class APIError(Exception):
@@ -58,7 +64,7 @@ def engine_error(err: Exception) -> APIError:
         return APIError(
             429, str(err), type="rate_limit_error", code="429", headers={"Retry-After": "1"}
         )
-    if isinstance(err, EngineDeadError):
+    if isinstance(err, (EngineDeadError, RequestFailedError)):
         return APIError(500, str(err), type="internal_server_error")
     return APIError(500, "internal error while generating", type="internal_server_error")
 
@@ -77,6 +83,7 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     chat: ChatRenderer = field(default_factory=lambda: ChatRenderer(None))
+    max_n: int = DEFAULT_MAX_N
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -96,6 +103,16 @@ class ServerState:
                 code="model_not_found",
             )
 
+    def sampling_params(self, **kwargs: Any) -> SamplingParams:
+        """A request's SamplingParams; 400 naming the field for a bad value or n above max_n."""
+        n = kwargs.get("n", 1)
+        if isinstance(n, int) and n > self.max_n:
+            raise APIError(400, f"n must be at most {self.max_n} (--max-n), got {n}", param="n")
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as err:
+            raise bad_request(str(err)) from None
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("prompt: text needs a tokenizer; this model has none, pass token ids")
@@ -107,7 +124,14 @@ class ServerState:
 
 
 async def read_json(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
-    """The body parsed into `model`; 413 above `max_bytes`, 400 for bad JSON or fields."""
+    """The body parsed into `model`; 415 unless it is declared JSON, 413 above `max_bytes`, 400
+    for bad JSON (nested deeper than MAX_JSON_DEPTH, strings that are not valid Unicode) or
+    fields."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type or "none"
+        msg = f"the request body must be application/json (Content-Type: {shown})"
+        raise APIError(415, msg, code="415")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
@@ -121,8 +145,11 @@ async def read_json(request: Request, model: type[BaseModel], max_bytes: int) ->
         data = json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError(400, _TOO_DEEP) from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_json(data)
     try:
         return model.model_validate(data)
     except Exception as err:  # pydantic.ValidationError
@@ -135,17 +162,50 @@ async def read_json(request: Request, model: type[BaseModel], max_bytes: int) ->
         raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
 
 
-def sampling_params(**kwargs: Any) -> SamplingParams:
+MAX_JSON_DEPTH = 32  # nesting of objects and arrays a request body may have
+_TOO_DEEP = f"the request body is nested deeper than {MAX_JSON_DEPTH} levels"
+
+
+def _check_json(data: dict) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH or a string (key or value) that is not valid
+    Unicode, naming where it is (`messages.0.content`; a key is checked before its value, so a
+    path never holds an invalid one)."""
+    stack: list[tuple[str, Any, int]] = [("", data, 1)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text_at(path, value)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, _TOO_DEEP)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text_at(f"a key in {path or 'the request body'}", key, param=path)
+            stack.append((f"{path}.{key}" if path else str(key), item, depth + 1))
+
+
+def _check_text_at(name: str, text: str, param: str | None = None) -> None:
     try:
-        return SamplingParams(**kwargs)
+        check_text(name, text)
     except ValueError as err:
-        raise bad_request(str(err)) from None
+        field = (name if param is None else param).split(".", 1)[0]
+        raise APIError(400, str(err), param=field or None) from None
 
 
 async def add_all(
     state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams
 ):
-    """Add one engine request per prompt (ids `request_id-i`); on an error abort the added ones."""
+    """Add one engine request per prompt (ids `request_id-i`); on an error abort the added ones.
+    A request whose samples (prompts x n) could never all wait at once is a 400, not a 429."""
+    limit = state.engine.max_waiting_requests
+    if limit is not None and len(prompts) * params.n > limit:
+        param = "n" if len(prompts) == 1 else "prompt"
+        msg = (f"{param}: {len(prompts)} prompt(s) x n={params.n} samples exceed the server's "
+               f"max_waiting_requests ({limit})")  # fmt: skip
+        raise APIError(400, msg, param=param)
     streams = []
     try:
         for i, ids in enumerate(prompts):

@@ -23,7 +23,6 @@ from vllm_rlt.entrypoints.openai.serving_common import (
     add_all,
     engine_error,
     merge,
-    sampling_params,
     sse,
     usage,
 )
@@ -85,7 +84,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream")
     prompts = _prompts(state, req.prompt)
-    params = sampling_params(
+    params = state.sampling_params(
         max_tokens=req.max_tokens, logprobs=req.logprobs, **req.sampling_kwargs()
     )
     request_id = random_id("cmpl")
