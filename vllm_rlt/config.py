@@ -8,6 +8,9 @@ settings.
 
 from __future__ import annotations
 
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -15,6 +18,11 @@ SCHEDULING_MODES = ("refill", "no_refill", "mixed")
 EXIT_MODES = ("ouro", "ouro_delayed", "trace")
 KV_LAYOUTS = ("last_exited", "shared")
 QUEUE_POLICIES = ("fcfs", "priority")
+
+
+class ConfigError(ValueError):
+    """A setting or model file the engine cannot start with; the message names the setting or
+    the file (and what would fix it)."""
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -52,6 +60,16 @@ class ModelConfig:
         "up to 2048 rows replay graphs captured at start on CUDA with the triton backend)",
         default=False,
     )
+    max_model_len: int | None = _help(
+        "most positions of one request (prompt + output); default: the model's "
+        "max_position_embeddings, capped by what the KV cache holds for one request",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        n = self.max_model_len
+        _check(n is None or n >= 2, "max_model_len", n, ">= 2 (one prompt and one output token)")
 
 
 @dataclass(frozen=True)
@@ -69,6 +87,7 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.block_size >= 1, "block_size", self.block_size, ">= 1")
         _check(self.kv_layout in KV_LAYOUTS, "kv_layout", self.kv_layout, f"one of {KV_LAYOUTS}")
         _check(
@@ -117,6 +136,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _check(
             self.max_num_batched_tokens >= 1,
@@ -169,6 +189,7 @@ class ExitConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.exit_mode in EXIT_MODES, "exit_mode", self.exit_mode, f"one of {EXIT_MODES}")
         t = self.exit_threshold
         _check(t is None or 0.0 <= t <= 1.0, "exit_threshold", t, "in [0, 1]")
@@ -183,7 +204,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.scheduler.wavefront_chunked_prefill and self.cache.kv_layout == "shared":
-            raise ValueError(
+            raise ConfigError(
                 "wavefront_chunked_prefill=True cannot run with kv_layout='shared': the shared "
                 "layout needs atomic position-wave prefill; use kv_layout='last_exited'"
             )
@@ -191,7 +212,7 @@ class EngineConfig:
     def check_model(self, model_name: str, requires_atomic_prefill: bool) -> None:
         """Capability check against the loaded model class."""
         if requires_atomic_prefill and self.scheduler.wavefront_chunked_prefill:
-            raise ValueError(
+            raise ConfigError(
                 f"wavefront_chunked_prefill=True cannot run with {model_name}, which requires "
                 "atomic prefill; turn wavefront_chunked_prefill off"
             )
@@ -204,7 +225,7 @@ class EngineConfig:
             own = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in own})
         if kwargs:
-            raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
+            raise ConfigError(f"unknown engine arguments: {sorted(kwargs)}")
         return cls(**parts)
 
 
@@ -218,4 +239,42 @@ SECTIONS = {
 
 def _check(ok: bool, name: str, value: Any, want: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {want}, got {value!r}")
+        raise ConfigError(f"{name} must be {want}, got {value!r}")
+
+
+def _check_types(config: Any) -> None:
+    check_field_types(type(config), {f.name: getattr(config, f.name) for f in fields(config)})
+
+
+def check_field_types(cls: type, values: Mapping[str, Any]) -> None:
+    """ConfigError naming the first of `values` that does not match its annotation on the
+    dataclass `cls` (an int is a float; a bool is not an int)."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in hints and not _matches(value, hints[name]):
+            want = _type_name(hints[name])
+            raise ConfigError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arm) for arm in args)
+    if origin in (list, tuple):
+        items = [a for a in args if a is not Ellipsis]
+        return isinstance(value, origin) and all(_matches(v, items[0]) for v in value)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))

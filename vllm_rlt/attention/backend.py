@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.config import ConfigError
 
 
 class AttentionBackend(Protocol):
@@ -46,6 +47,6 @@ _BACKENDS = {
 
 def get_attention_backend(name: str) -> AttentionBackend:
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)()

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from vllm_rlt.config import ConfigError
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding, acc_dtype
 
 LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
@@ -175,7 +176,7 @@ _INSTANCES: dict[str, LayerKernels] = {}
 def get_layer_kernels(name: str, device: torch.device) -> LayerKernels:
     """The strategy `name` from LAYER_KERNELS; "auto" picks skinny on CUDA, torch elsewhere."""
     if name not in LAYER_KERNELS:
-        raise ValueError(f"unknown layer kernels {name!r}; choose one of {LAYER_KERNELS}")
+        raise ConfigError(f"unknown layer kernels {name!r}; choose one of {LAYER_KERNELS}")
     if name == "auto":
         name = "skinny" if device.type == "cuda" else "torch"
     if name not in _INSTANCES:

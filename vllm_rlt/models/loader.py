@@ -9,23 +9,28 @@ directory when present.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
+from vllm_rlt.config import ConfigError
+from vllm_rlt.kernels import device_info
 from vllm_rlt.models import registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint whose files or tensors do not match the model."""
+class CheckpointError(ConfigError):
+    """A checkpoint whose files or tensors do not match the model; the message names the file."""
 
 
 @dataclass
@@ -43,17 +48,77 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def resolve_device(
+    device: str | torch.device | None, attention_backend: str, layer_kernels: str
+) -> torch.device:
+    """The device to run on (default: CUDA when available); ConfigError for an unknown device,
+    CUDA without a GPU, or Triton kernels on the CPU without the Triton interpreter."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device {device!r} is not a device name; use cpu or cuda") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device={device!r} but no CUDA GPU is available; use device='cpu'")
+        if resolved.index is not None and resolved.index >= count:
+            raise ConfigError(f"device={device!r} but only {count} CUDA GPU(s) are visible")
+        return resolved
+    triton = {"attention_backend": ("triton",), "layer_kernels": ("fused", "skinny")}
+    chosen = {"attention_backend": attention_backend, "layer_kernels": layer_kernels}
+    for name, value in chosen.items():
+        if value in triton[name] and not device_info.INTERPRET:
+            raise ConfigError(
+                f"{name}={value!r} runs Triton kernels, which on the CPU need the Triton "
+                f"interpreter (TRITON_INTERPRET=1 in the environment); use {name}='torch'"
+            )
+    return resolved
+
+
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; CheckpointError naming the file (and the line and column of a
+    syntax error) otherwise."""
+    try:
+        raw = json.loads(path.read_bytes())
+    except json.JSONDecodeError as err:
+        msg = f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
+        raise CheckpointError(msg) from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not valid JSON: it is not UTF-8 text") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def read_config(model_dir: str | Path) -> object:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a model directory needs config.json")
-    raw = json.loads(path.read_text())
-    config_cls, _ = registry.resolve(raw.get("model_type"))
-    return config_cls.from_dict(raw)
+    raw = read_json_file(path)
+    try:
+        config_cls, _ = registry.resolve(raw.get("model_type"))
+        return config_cls.from_dict(raw)
+    except ConfigError as err:
+        raise type(err)(f"{path}: {err}") from None
+
+
+def read_tokenizer(model_dir: Path) -> Tokenizer | None:
+    """The tokenizer from `tokenizer.json`, None when the directory has none."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for every kind of bad file
+        raise CheckpointError(f"{path} is not a valid tokenizer: {err}") from None
 
 
 def load_model(
@@ -70,9 +135,9 @@ def load_model(
     `attention_backend="auto"` picks triton on CUDA and torch on the CPU; `layer_kernels` is the
     model's `LayerKernels` strategy (`vllm_rlt.models.layer_kernels.LAYER_KERNELS`)."""
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device, attention_backend, layer_kernels)
     torch_dtype = resolve_dtype(dtype, device)
     if attention_backend == "auto":
         attention_backend = "triton" if device.type == "cuda" else "torch"
@@ -85,8 +150,7 @@ def load_model(
         init_random_weights(model, seed)
     else:
         load_safetensors(model, model_dir)
-    tokenizer_path = model_dir / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tokenizer_path)) if tokenizer_path.is_file() else None
+    tokenizer = read_tokenizer(model_dir)
     return LoadedModel(model.eval().requires_grad_(False), config, tokenizer, model_dir)
 
 
@@ -100,7 +164,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = read_json_file(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index.name} has no 'weight_map'")
         files = {name: model_dir / shard for name, shard in weight_map.items()}
@@ -109,11 +173,22 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
             raise CheckpointError(f"{index.name} names shard files that are missing: {absent}")
         return files
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with open_weights(single) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 - safe_open has no iter
     raise CheckpointError(
         f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
     )
+
+
+@contextlib.contextmanager
+def open_weights(path: Path) -> Iterator[Any]:
+    """`safe_open(path)`; an empty, truncated or foreign file (or a read of one of its tensors)
+    raises CheckpointError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(f"{path} is not a valid safetensors file: {err}") from None
 
 
 @torch.no_grad()
@@ -133,7 +208,7 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
         by_file.setdefault(files[name], []).append(name)
     loaded: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with open_weights(path) as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(params[name].shape):

@@ -18,11 +18,12 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.config import ConfigError, check_field_types
 from vllm_rlt.models.layer_kernels import LAYER_KERNELS, LayerKernels, get_layer_kernels
 from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(ConfigError):
     """A checkpoint configuration this engine cannot run faithfully."""
 
 
@@ -68,7 +69,14 @@ class OuroConfig:
         )
         missing = [k for k in required if raw.get(k) is None]
         if missing:
-            raise UnsupportedConfigError(f"config.json lacks required fields: {missing}")
+            raise UnsupportedConfigError(f"required fields are missing: {missing}")
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in raw.items() if k in names and v is not None}
+        check_field_types(cls, kwargs)
+        sizes = (*required, "num_key_value_heads", "head_dim", "total_ut_steps")
+        small = {k: kwargs[k] for k in sizes if k in kwargs and kwargs[k] < 1}
+        if small:
+            raise UnsupportedConfigError(f"these fields must be >= 1: {small}")
         problems = []
         if raw.get("use_sliding_window"):
             problems.append("use_sliding_window=true (sliding-window attention)")
@@ -83,8 +91,6 @@ class OuroConfig:
             problems.append("attention_bias/mlp_bias=true (Ouro linears have no bias)")
         if problems:
             raise UnsupportedConfigError("unsupported Ouro config: " + "; ".join(problems))
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if k in names and v is not None}
         kwargs.setdefault("num_key_value_heads", raw["num_attention_heads"])
         kwargs.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
         config = cls(**kwargs)
@@ -99,8 +105,6 @@ class OuroConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.total_ut_steps < 1:
-            raise UnsupportedConfigError(f"total_ut_steps={self.total_ut_steps} must be >= 1")
 
 
 class OuroAttention(FusesLinears):
