@@ -84,8 +84,9 @@ def test_abort_in_any_state_frees_everything(model_dir, state):
         ([1, -1], SamplingParams(), "outside the vocabulary"),
         ([1, 2], SamplingParams(max_loops=5), "max_loops"),
         ([1, 2], SamplingParams(min_loops=5), "min_loops"),
-        ([1, 2], SamplingParams(max_tokens=1020), "positions"),
-        ([1, 2], SamplingParams(max_tokens=600), "KV"),
+        # the KV cache's 512 positions per request cap max_model_len at 513 (< the model's 1024)
+        ([1, 2], SamplingParams(max_tokens=1020), r"= 1022 exceeds max_model_len \(513\)"),
+        ([1, 2], SamplingParams(max_tokens=512), r"= 514 exceeds max_model_len \(513\)"),
         ("ab\ud800", SamplingParams(), "prompt is not valid Unicode"),
         ([1, 2], SamplingParams(top_k=2**63), r"top_k must be .* \(the vocabulary\)"),
         ([1, 2], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids has ids outside"),

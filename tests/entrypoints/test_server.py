@@ -240,7 +240,7 @@ BAD_COMPLETIONS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [5, 999999]}, "prompt"),  # out of the vocabulary
     ({"prompt": "x", "max_tokens": 2000}, None),  # beyond the model's 1024 positions
-    ({"prompt": "x", "max_tokens": 400}, None),  # beyond the KV cache's 256 positions
+    ({"prompt": "x", "max_tokens": 400}, None),  # beyond max_model_len (the KV cache's 256 + 1)
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
     ({"prompt": "a", "max_tokens": 2, "top_k": 2**63}, "top_k"),  # once killed the engine
     ({"prompt": "a", "top_k": 513}, "top_k"),  # the tiny vocabulary has 512 tokens
@@ -262,6 +262,20 @@ BAD_COMPLETIONS = [
 @pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
 def test_bad_completion_requests_are_400(server, body, param):
     _assert_error(_post(server, body), 400, param)
+
+
+def test_requests_beyond_max_model_len_are_400_naming_both_numbers(server):
+    """The KV cache's 256 positions per request cap max_model_len at 257 (the model has 1024);
+    /v1/models reports that limit and a longer request is a 400 giving both numbers."""
+    card = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]
+    assert card["max_model_len"] == 257
+    message = _assert_error(_post(server, {"prompt": [5], "max_tokens": 300}), 400)
+    assert "prompt (1 tokens) + max_tokens (300) = 301 exceeds max_model_len (257)" in message
+    content = " ".join(str(i) for i in range(400))
+    assert len(server.engine.tokenizer.encode(content).ids) > 257
+    chat = {"messages": [{"role": "user", "content": content}]}
+    message = _assert_error(_post(server, chat, "/v1/chat/completions"), 400)
+    assert "exceeds max_model_len (257)" in message
 
 
 def test_error_statuses(server, client):

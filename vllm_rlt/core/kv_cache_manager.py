@@ -18,6 +18,11 @@ class KVLayout(str, Enum):
     SHARED = "shared"  # one plane, overwritten at every loop
 
 
+def num_planes_for(layout: KVLayout | str, num_loops: int) -> int:
+    """KV planes a layout keeps: one per depth (LAST_EXITED) or one (SHARED)."""
+    return num_loops if KVLayout(layout) is KVLayout.LAST_EXITED else 1
+
+
 class KVCapacityError(ValueError):
     """A reservation the cache cannot hold; the message says what is needed and available."""
 
@@ -29,7 +34,7 @@ class KVCacheManager:
         self.layout = KVLayout(layout)
         self.block_size = block_size
         self.num_loops = num_loops
-        self.num_planes = num_loops if self.layout is KVLayout.LAST_EXITED else 1
+        self.num_planes = num_planes_for(self.layout, num_loops)
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[list[int]]] = {}  # req_id -> per-plane block lists
 

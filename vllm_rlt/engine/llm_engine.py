@@ -21,10 +21,11 @@ import torch
 
 from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import EngineConfig
-from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.kv_cache_manager import KVCacheManager, num_planes_for
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
+from vllm_rlt.engine.kv_sizing import plan_kv_blocks, resolve_max_model_len
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
 from vllm_rlt.models import registry
@@ -71,11 +72,17 @@ class LLMEngine:
         self.num_loops = self.model.num_loops
         weight = self.model.lm_head.weight
         c = self.model_config
-        block_bytes = (
-            c.num_hidden_layers * 2 * cc.block_size * c.num_key_value_heads * c.head_dim
-        ) * weight.element_size()
-        num_blocks = cc.num_kv_blocks or max(1, int(cc.kv_cache_memory_gb * 2**30 // block_bytes))
+        num_planes = num_planes_for(cc.kv_layout, self.num_loops)
+        blocks = plan_kv_blocks(cc, c, num_planes, weight.dtype, weight.device)
+        num_blocks = blocks.num_blocks
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.kv_layout, self.num_loops)
+        # the longest request (prompt + output positions) add_request accepts
+        self.max_model_len = resolve_max_model_len(
+            mc.max_model_len,
+            c.max_position_embeddings,
+            self.kv_manager.max_tokens_per_request(),
+            blocks,
+        )
         kv_cache = DeviceKVCache(
             c.num_hidden_layers,
             num_blocks,
@@ -90,7 +97,7 @@ class LLMEngine:
         tile_rows = tile_rows_for(sc.chunk_size)
         graphs = None
         if not mc.enforce_eager and graphs_supported(self.model):
-            max_context = min(c.max_position_embeddings, self.kv_manager.max_tokens_per_request())
+            max_context = min(self.max_model_len, self.kv_manager.max_tokens_per_request())
             segments = self.scheduler.expected_segments
             specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments, tile_rows)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
@@ -185,16 +192,10 @@ class LLMEngine:
             )
         params.validate_for_model(self.num_loops, c.vocab_size)
         total = len(ids) + params.max_tokens
-        if total > c.max_position_embeddings:
+        if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's {c.max_position_embeddings} positions"
-            )
-        capacity = self.kv_manager.max_tokens_per_request()
-        if total - 1 > capacity:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {total - 1} "
-                f"KV positions but the KV cache holds at most {capacity} per request"
+                f"max_model_len ({self.max_model_len})"
             )
 
     def _exit_settings(self, params: SamplingParams, trace: list[int] | None) -> ExitSettings:

@@ -81,9 +81,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if max_tokens < 1:
             msg = f"max_completion_tokens must be >= 1, got {max_tokens}"
             raise APIError(400, msg, param="max_completion_tokens")
-    if max_tokens is None:  # the rest of the context, within what the KV cache can hold
-        kv_room = state.engine.engine.kv_manager.max_tokens_per_request() + 1
-        max_tokens = max(1, min(state.max_model_len, kv_room) - len(ids))
+    if max_tokens is None:  # the rest of the context
+        max_tokens = max(1, state.max_model_len - len(ids))
     logprobs = None
     if req.logprobs:
         logprobs = req.top_logprobs or 0

@@ -91,7 +91,7 @@ class ServerState:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.model_config.max_position_embeddings
+        return self.engine.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.served_model_name:
