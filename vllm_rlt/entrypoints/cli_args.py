@@ -70,6 +70,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
+def error_exit(err: Exception) -> SystemExit:
+    """The exit of a command that cannot run: `error: <message>` as one line on stderr."""
+    return SystemExit("error: " + " ".join(str(err).split()))
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     given = {k: v for k, v in vars(args).items() if k in SAMPLING_HELP and v is not None}
     return SamplingParams(**given)

@@ -21,12 +21,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from vllm_rlt.entrypoints.llm import LLM
 
-    try:
+    try:  # bad settings, model files or prompts: one line, no traceback
         params = cli_args.sampling_params(args)
         llm = LLM(args.model, **cli_args.engine_kwargs(args))
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
     except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    for out in llm.generate(args.prompt, params, use_tqdm=False):
+        raise cli_args.error_exit(err) from None
+    for out in outputs:
         for comp in out.outputs:
             print(f"prompt: {out.prompt!r}  sample {comp.index}  finish: {comp.finish_reason}")
             print(f"  text: {comp.text!r}")

@@ -68,20 +68,19 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: max_body_bytes must be >= 1")
     if args.max_n < 1:
         raise SystemExit("error: max_n must be >= 1")
-    try:
-        config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
-        engine = LLMEngine(config)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
     name = served_name(args)
-    app = build_app(
-        engine,
-        name,
-        args.api_key,
-        max_body_bytes=args.max_body_bytes,
-        max_waiting_requests=args.max_waiting_requests,
-        max_n=args.max_n,
-    )
+    try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
+        config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
+        app = build_app(
+            LLMEngine(config),
+            name,
+            args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            max_waiting_requests=args.max_waiting_requests,
+            max_n=args.max_n,
+        )
+    except ValueError as err:
+        raise cli_args.error_exit(err) from None
     print(f"vllm-rlt: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
