@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from vllm_rlt.entrypoints.cli import main
@@ -21,6 +22,12 @@ def test_inspect_prints_every_depth_and_checks(tmp_path, capsys):
     assert all(line.count(",") == 4 for line in lines)  # top-5 tokens per depth
     assert "cdf 1.000" in lines[-1]
     assert "-> OK" in out
+
+
+def test_inspect_reports_a_bad_device_in_one_line():
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", "--device", "cuda:99"])
+    assert str(info.value.code).startswith("error: device='cuda:99'")
 
 
 def test_exit_distribution_matches_the_definition():

@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from vllm_rlt.entrypoints import cli_args
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.models.reference import DenseOuroReference
 from vllm_rlt.models.tiny import default_model_dir
@@ -46,13 +47,16 @@ def exit_distribution(gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_model(
-        args.model or default_model_dir(),
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        attention_backend=args.attention_backend,
-    )
+    try:  # bad settings or model files: one line, no traceback
+        loaded = load_model(
+            args.model or default_model_dir(),
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            attention_backend=args.attention_backend,
+        )
+    except ValueError as err:
+        raise cli_args.error_exit(err) from None
     return report(loaded, args)
 
 
