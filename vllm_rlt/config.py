@@ -8,6 +8,8 @@ settings.
 
 from __future__ import annotations
 
+import numbers
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -31,7 +33,7 @@ def _help(text: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = _help(
+    model: str | os.PathLike | None = _help(
         "HF model directory (config.json, safetensors, tokenizer.json)", default=None
     )
     dtype: str = _help(
@@ -248,7 +250,8 @@ def _check_types(config: Any) -> None:
 
 def check_field_types(cls: type, values: Mapping[str, Any]) -> None:
     """ConfigError naming the first of `values` that does not match its annotation on the
-    dataclass `cls` (an int is a float; a bool is not an int)."""
+    dataclass `cls` (any integral number is an int and any real one a float; a bool is
+    neither)."""
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
         if name in hints and not _matches(value, hints[name]):
@@ -267,10 +270,9 @@ def _matches(value: Any, hint: Any) -> bool:
         return True
     if hint is type(None):
         return value is None
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (int, float):
+        kind = numbers.Integral if hint is int else numbers.Real
+        return isinstance(value, kind) and not isinstance(value, bool)
     return isinstance(value, hint)
 
 

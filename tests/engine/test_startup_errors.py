@@ -80,7 +80,7 @@ def test_max_model_len_defaults_to_what_the_kv_cache_holds_and_bounds_requests(m
     fits = SamplingParams(max_tokens=39, ignore_eos=True)
     (out,) = explicit.generate([[5]], fits, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 39
-    big = LLM(str(model), device="cpu", num_kv_blocks=10_000)
+    big = LLM(model, device="cpu", num_kv_blocks=10_000)  # a Path names a model too
     assert big.engine.max_model_len == 2048  # the model's max_position_embeddings
 
 
