@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.entrypoints.server_utils import tiny_engine
-from vllm_rlt.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from vllm_rlt.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStoppedError
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -73,7 +73,25 @@ def test_failed_step_fails_streams_and_later_requests(model_dir):
             async for _ in stream:
                 pass
         assert not engine.is_healthy
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError) as err:
             await engine.add_request("b", "x", SamplingParams(max_tokens=2))
+        assert not isinstance(err.value, EngineStoppedError)
+        assert isinstance(engine.error, RuntimeError)
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_shutdown_ends_open_streams_and_later_requests_as_stopped(model_dir):
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(model_dir))
+        stream = await engine.add_request("a", "x", SamplingParams(max_tokens=50))
+        await stream.__anext__()
+        await engine.shutdown()
+        with pytest.raises(EngineStoppedError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineStoppedError):
+            await engine.add_request("b", "x", SamplingParams(max_tokens=2))
+        assert engine.error is None and not engine.is_healthy  # stopped, not failed
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))

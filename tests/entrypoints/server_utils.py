@@ -1,10 +1,15 @@
-"""Run a real uvicorn server for an app in a background thread (tests of the HTTP API)."""
+"""Run a real uvicorn server for an app in a background thread, or `vllm-rlt serve` in a
+subprocess (tests of the HTTP API)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -27,10 +32,11 @@ def free_port() -> int:
 
 
 class ServerThread:
-    def __init__(self, app):
+    def __init__(self, app, **options):
+        """`options`: more uvicorn.Config options (e.g. http=, timeout_keep_alive=)."""
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
+        options = {"host": "127.0.0.1", "port": self.port, "log_level": "warning", **options}
+        self.server = uvicorn.Server(uvicorn.Config(app, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -49,6 +55,48 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+CLI = [sys.executable, "-m", "vllm_rlt.entrypoints.cli"]
+
+
+class ServeProcess:
+    """`vllm-rlt serve FLAGS` in a subprocess on a free port; its output goes to `log_path`.
+    `command` replaces `python -m vllm_rlt.entrypoints.cli` (e.g. a script that patches the
+    engine first). Entering waits until /health answers 200; leaving kills it if still running."""
+
+    def __init__(self, log_path: Path, flags: list[str], command: list[str] = CLI):
+        self.port = free_port()
+        self.log_path = log_path
+        self.argv = [*command, "serve", "--port", str(self.port), *flags]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def __enter__(self) -> ServeProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"the server did not start:\n{self.log()}")
+            time.sleep(0.1)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def read_metrics(url: str) -> dict[str, float]:

@@ -5,8 +5,9 @@ The `LLMEngine` is not thread-safe. Every engine call (add, abort, step) happens
 in a worker thread (`asyncio.to_thread`) so the event loop stays responsive. Outputs are copied
 before they leave the loop, so a consumer never sees a later step's mutation.
 
-If a step raises, the loop dies: every open stream and every pending add gets `EngineDeadError`,
-`is_healthy` turns False, and later requests fail at once. Nothing waits forever.
+If a step raises, the loop dies: `error` holds the fault, every open stream and every pending add
+gets `EngineDeadError`, `is_healthy` turns False, and later requests fail at once. `shutdown()` ends
+open streams and later requests with `EngineStoppedError` instead. Nothing waits forever.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The background loop stopped after an error; the engine serves nothing more."""
+
+
+class EngineStoppedError(EngineDeadError):
+    """The engine was shut down (the server is stopping); it serves nothing more."""
 
 
 class QueueFullError(RuntimeError):
@@ -104,7 +109,7 @@ class AsyncLLMEngine:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the fault that ended the loop (None: no fault)
         self.snapshot = EngineSnapshot()
         self._refresh_snapshot()
 
@@ -124,12 +129,12 @@ class AsyncLLMEngine:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def shutdown(self) -> None:
-        """Stop the loop after the current step; open streams end with EngineDeadError."""
+        """Stop the loop after the current step; open streams end with EngineStoppedError."""
         self._stopping = True
         if self._task is not None:
             self._wakeup.set()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._fail(EngineDeadError("the engine is shutting down"))
+        self._fail(EngineStoppedError("the server is shutting down"))
 
     async def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -178,8 +183,10 @@ class AsyncLLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def _check_alive(self) -> None:
-        if self.error is not None or self._stopping:
+        if self.error is not None:
             raise EngineDeadError("the engine loop has stopped; see the server log")
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
 
     async def _run(self) -> None:
         try:
@@ -242,7 +249,7 @@ class AsyncLLMEngine:
 
     def _fail(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         if self.error is None:
-            self.error = cause or error
+            self.error = cause
         for stream in self._streams.values():
             stream.put(error)
         self._streams.clear()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
+import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from vllm_rlt.entrypoints import cli_args
-from vllm_rlt.entrypoints.openai.serving_common import DEFAULT_MAX_N
+from vllm_rlt.entrypoints.openai.serving_common import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_N
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +43,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1 << 20,
         help="answer 413 for request bodies larger than this",
     )
+    p.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="answer 408 (and close the connection) when a request body takes longer to arrive",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="close a connection that sends no whole request head within this many seconds of "
+        "opening or of its last response",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests get to finish before they are ended "
+        "with an error (new requests get 503 meanwhile)",
+    )
     cli_args.add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -55,12 +77,11 @@ def served_name(args: argparse.Namespace) -> str:
     return default_model_dir().name
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+def run(args: argparse.Namespace) -> NoReturn:
     from vllm_rlt.config import EngineConfig
     from vllm_rlt.engine.llm_engine import LLMEngine
     from vllm_rlt.entrypoints.openai.api_server import build_app
+    from vllm_rlt.entrypoints.openai.lifecycle import GracefulServer
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise SystemExit("error: max_waiting_requests must be >= 1")
@@ -68,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: max_body_bytes must be >= 1")
     if args.max_n < 1:
         raise SystemExit("error: max_n must be >= 1")
+    if args.body_read_timeout <= 0 or args.timeout_keep_alive < 1 or args.shutdown_timeout < 0:
+        msg = "body_read_timeout must be > 0, timeout_keep_alive >= 1, shutdown_timeout >= 0"
+        raise SystemExit(f"error: {msg}")
     name = served_name(args)
     try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
@@ -78,16 +102,22 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             max_waiting_requests=args.max_waiting_requests,
             max_n=args.max_n,
+            body_read_timeout=args.body_read_timeout,
         )
     except ValueError as err:
         raise cli_args.error_exit(err) from None
     print(f"vllm-rlt: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
+    server = GracefulServer(
+        app,
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.shutdown_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
     )
-    # on Ctrl-C uvicorn stops accepting, finishes the app shutdown (the engine loop stops), then
-    # re-raises the signal, which arrives here as KeyboardInterrupt
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()
-    print("vllm-rlt: server stopped", flush=True)
-    return 0
+    server.run()
+    failed = server.engine_failed  # then exit non-zero, so that a supervisor restarts the server
+    print(f"vllm-rlt: server stopped{': the engine failed' if failed else ''}", flush=True)
+    sys.stderr.flush()
+    # The engine has stopped and every socket is closed: skip the interpreter's teardown, which
+    # takes ~0.6 s with torch loaded (more on a busy machine) and would stretch the stop.
+    os._exit(1 if failed else 0)

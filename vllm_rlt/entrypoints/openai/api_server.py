@@ -1,13 +1,13 @@
 """The FastAPI app: routes, API-key check, OpenAI-shaped errors.
 
 `build_app(engine, served_model_name, ...)` takes an `AsyncLLMEngine` (or an `LLMEngine`, which
-it wraps); the app starts the engine loop on startup and stops it on shutdown.
+it wraps); the app starts the engine loop on startup and stops it on shutdown. `app.state.drain`
+is the gate's `Drain`: a server that stops closes it (see lifecycle.py).
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -19,6 +19,7 @@ from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
+from vllm_rlt.entrypoints.openai.middleware import CatchAll, Drain, DrainGate
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,6 +28,7 @@ from vllm_rlt.entrypoints.openai.protocol import (
 )
 from vllm_rlt.entrypoints.openai.serving_chat import create_chat_completion
 from vllm_rlt.entrypoints.openai.serving_common import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_N,
     APIError,
     ServerState,
@@ -35,7 +37,6 @@ from vllm_rlt.entrypoints.openai.serving_common import (
 from vllm_rlt.entrypoints.openai.serving_completion import create_completion
 from vllm_rlt.models.tiny import default_model_dir
 
-logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
@@ -47,6 +48,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting_requests: int | None = None,
     max_n: int = DEFAULT_MAX_N,
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
 ) -> FastAPI:
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
@@ -55,7 +57,9 @@ def build_app(
     metrics = ServerMetrics(engine.engine.num_loops)
     model_dir = engine.engine.config.model.model or default_model_dir()
     chat = ChatRenderer(model_dir)
-    state = ServerState(engine, served_model_name, api_key, max_body_bytes, metrics, chat, max_n)
+    state = ServerState(
+        engine, served_model_name, api_key, max_body_bytes, metrics, chat, max_n, body_read_timeout
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -65,6 +69,9 @@ def build_app(
 
     app = FastAPI(title="vllm-rlt", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
+    app.state.drain = Drain()
+    app.add_middleware(CatchAll)
+    app.add_middleware(DrainGate, drain=app.state.drain)  # added last: the outermost
 
     async def check_api_key(request: Request) -> None:
         if state.api_key is None:
@@ -93,12 +100,6 @@ def build_app(
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
         return await api_error(_, APIError(err.status_code, str(err.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        error = APIError(500, "internal server error", type="internal_server_error")
-        return await api_error(_, error)
-
     @app.get("/health")
     async def health() -> Response:
         if engine.is_healthy:
@@ -118,12 +119,16 @@ def build_app(
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        req = await read_json(request, CompletionRequest, state.max_body_bytes)
+        req = await read_json(
+            request, CompletionRequest, state.max_body_bytes, state.body_read_timeout
+        )
         return await create_completion(state, req, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        req = await read_json(request, ChatCompletionRequest, state.max_body_bytes)
+        req = await read_json(
+            request, ChatCompletionRequest, state.max_body_bytes, state.body_read_timeout
+        )
         return await create_chat_completion(state, req, request)
 
     return app

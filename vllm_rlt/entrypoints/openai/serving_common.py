@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from vllm_rlt.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
+    EngineStoppedError,
     QueueFullError,
     RequestFailedError,
 )
@@ -26,6 +27,7 @@ from vllm_rlt.sampling_params import SamplingParams, check_text
 
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DEFAULT_MAX_N = 16  # most samples one request may ask for (--max-n)
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0  # seconds a body may take to arrive (--body-read-timeout)
 
 
 class APIError(Exception):
@@ -64,9 +66,21 @@ def engine_error(err: Exception) -> APIError:
         return APIError(
             429, str(err), type="rate_limit_error", code="429", headers={"Retry-After": "1"}
         )
+    if isinstance(err, EngineStoppedError):
+        return shutting_down()
     if isinstance(err, (EngineDeadError, RequestFailedError)):
         return APIError(500, str(err), type="internal_server_error")
     return APIError(500, "internal error while generating", type="internal_server_error")
+
+
+def shutting_down() -> APIError:
+    """503 for requests the stopping server will not serve (the client may retry elsewhere)."""
+    return APIError(
+        503,
+        "the server is shutting down",
+        type="service_unavailable_error",
+        headers={"Connection": "close"},
+    )
 
 
 def bad_request(message: str) -> APIError:
@@ -84,6 +98,7 @@ class ServerState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     chat: ChatRenderer = field(default_factory=lambda: ChatRenderer(None))
     max_n: int = DEFAULT_MAX_N
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -123,10 +138,12 @@ class ServerState:
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
 
 
-async def read_json(request: Request, model: type[BaseModel], max_bytes: int) -> Any:
-    """The body parsed into `model`; 415 unless it is declared JSON, 413 above `max_bytes`, 400
-    for bad JSON (nested deeper than MAX_JSON_DEPTH, strings that are not valid Unicode) or
-    fields."""
+async def read_json(
+    request: Request, model: type[BaseModel], max_bytes: int, timeout_s: float
+) -> Any:
+    """The body parsed into `model`; 415 unless it is declared JSON, 413 above `max_bytes`, 408
+    (and the connection closed) unless the whole body arrives within `timeout_s`, 400 for bad JSON
+    (nested deeper than MAX_JSON_DEPTH, strings that are not valid Unicode) or fields."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         shown = media_type or "none"
@@ -135,14 +152,13 @@ async def read_json(request: Request, model: type[BaseModel], max_bytes: int) ->
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
-        chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
+        body = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        msg = f"the request body did not arrive within {timeout_s:g} s"
+        raise APIError(408, msg, code="408", headers={"Connection": "close"}) from None
+    try:
+        data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise APIError(400, "the request body is not valid JSON") from None
     except RecursionError:
@@ -160,6 +176,16 @@ async def read_json(request: Request, model: type[BaseModel], max_bytes: int) ->
         loc = ".".join(str(p) for p in first["loc"])
         param = str(first["loc"][0]) if first["loc"] else None
         raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 MAX_JSON_DEPTH = 32  # nesting of objects and arrays a request body may have
