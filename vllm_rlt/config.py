@@ -87,6 +87,11 @@ class CacheConfig:
     kv_cache_memory_gb: float = _help(
         "memory for the KV cache when num_kv_blocks is unset", default=1.0
     )
+    enable_prefix_caching: bool = _help(
+        "reuse the KV of full prompt blocks that earlier requests computed (blocks stay cached "
+        "after their request ends until the memory is needed)",
+        default=True,
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)

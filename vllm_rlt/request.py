@@ -60,7 +60,9 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    # prefill progress (ARCHITECTURE.md §5)
+    # prefill progress (ARCHITECTURE.md §5); after a preemption the prefill recomputes the prompt
+    # and the positions of the first `resume_tokens` output tokens
+    resume_tokens: int = 0
     num_prefilled_tokens: int = 0  # frontier: prompt positions that entered prefill
     prefill_reclaimable_tokens: int = 0  # start of the oldest resident chunk
     pieces: list[PrefillPiece] = field(default_factory=list)  # resident pieces, oldest first
@@ -89,8 +91,23 @@ class Request:
         return len(self.prompt_token_ids) + self.num_sampled
 
     @property
+    def prefill_len(self) -> int:
+        """Positions the current prefill covers (the prompt, and when resumed the fed-back output
+        tokens before the newest one)."""
+        return len(self.prompt_token_ids) + self.resume_tokens
+
+    @property
     def in_prefill(self) -> bool:
-        return self.prefill_reclaimable_tokens < len(self.prompt_token_ids)
+        return self.prefill_reclaimable_tokens < self.prefill_len
+
+    def prefill_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids[: self.resume_tokens]
+
+    def position_loops(self, position: int, num_loops: int) -> int:
+        """Loops a prefill position runs: every loop for the prompt; for a recomputed output
+        position, the loops it ran before (the exit depth of the token sampled from it)."""
+        i = position - len(self.prompt_token_ids)
+        return num_loops if i < 0 else self.output_exit_depths[i + 1]
 
     @property
     def max_positions(self) -> int:

@@ -2,12 +2,22 @@
 
 Owns the block tables: for each request and plane, the physical blocks holding its positions.
 LAST_EXITED keeps one plane per depth (a row at depth d reads and writes plane d); SHARED keeps
-one plane that every depth overwrites. Reservation is all-planes-at-once: a request that may hold
-`n` positions gets `ceil(n / block_size)` blocks in every plane.
+one plane that every depth overwrites. Blocks are allocated on demand, plane by plane, when the
+scheduler places work that writes positions there (`allocate`), and released when the request
+ends or is preempted.
+
+Prefix caching: a full block of prompt positions is keyed by a hash chain over the prompt's token
+ids from position 0 (salted with the layout, loop count and block size: everything else that
+decides the KV), one key per plane. Prompt positions run every loop, so their KV does not depend on
+exit decisions; once every plane holds a block's positions (`cache_prompt`), later requests with
+the same prefix share those blocks (`find_prefix`, `attach`) until the pool evicts them.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from dataclasses import dataclass
 from enum import Enum
 
 from vllm_rlt.core.block_pool import BlockPool
@@ -27,16 +37,35 @@ class KVCapacityError(ValueError):
     """A reservation the cache cannot hold; the message says what is needed and available."""
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks a prompt starts with: `blocks[plane]` lists them in position order."""
+
+    num_tokens: int  # positions the hit covers (whole blocks)
+    blocks: tuple[tuple[int, ...], ...]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, layout: KVLayout | str, num_loops: int):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layout: KVLayout | str,
+        num_loops: int,
+        enable_prefix_caching: bool = False,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.layout = KVLayout(layout)
         self.block_size = block_size
         self.num_loops = num_loops
         self.num_planes = num_planes_for(self.layout, num_loops)
-        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, self.num_planes)
         self._tables: dict[str, list[list[int]]] = {}  # req_id -> per-plane block lists
+        self._cached_blocks: dict[str, int] = {}  # req_id -> its prompt blocks in the cache
+        self._changed: set[str] = set()  # requests whose tables grew since `take_changed`
+        self._salt = f"{self.layout.value}:{num_loops}:{block_size}".encode()
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,44 +87,101 @@ class KVCacheManager:
         """The most positions one request can ever hold with the whole cache to itself."""
         return self.pool.num_blocks // self.num_planes * self.block_size
 
-    def num_extra_blocks(self, req_id: str, num_tokens: int) -> int:
+    # ---- allocation -------------------------------------------------------------------------
+    def num_new_blocks(self, req_id: str, plane: int, end: int) -> int:
+        """Blocks `plane` of `req_id` lacks to hold positions [0, end)."""
         tables = self._tables.get(req_id)
-        held = len(tables[0]) * self.num_planes if tables else 0
-        return max(0, self.blocks_for(num_tokens) - held)
+        held = len(tables[plane]) if tables else 0
+        return max(0, -(-end // self.block_size) - held)
 
-    def can_reserve(self, req_id: str, num_tokens: int) -> bool:
-        return self.num_extra_blocks(req_id, num_tokens) <= self.pool.num_free
+    def allocate(self, req_id: str, plane: int, end: int) -> None:
+        """Make `plane` of `req_id` hold positions [0, end) (the caller checked `num_free`)."""
+        count = self.num_new_blocks(req_id, plane, end)
+        if count:
+            table = self._tables.setdefault(req_id, [[] for _ in range(self.num_planes)])
+            table[plane].extend(self.pool.allocate(count, plane))
+            self._changed.add(req_id)
 
     def reserve(self, req_id: str, num_tokens: int) -> None:
-        """Make every plane of `req_id` hold at least `num_tokens` positions."""
-        extra = self.num_extra_blocks(req_id, num_tokens)
-        if num_tokens > self.max_tokens_per_request():
+        """Make every plane of `req_id` hold `num_tokens` positions at once."""
+        need = sum(self.num_new_blocks(req_id, p, num_tokens) for p in range(self.num_planes))
+        if num_tokens > self.max_tokens_per_request() or need > self.pool.num_free:
             raise KVCapacityError(
-                f"request {req_id!r} needs {self.blocks_for(num_tokens)} KV blocks "
-                f"({num_tokens} positions x {self.num_planes} planes, block size "
-                f"{self.block_size}) but the cache has only {self.pool.num_blocks} blocks in all "
-                f"(at most {self.max_tokens_per_request()} positions per request); shorten the "
-                f"request or give the cache more memory"
-            )
-        if extra > self.pool.num_free:
-            raise KVCapacityError(
-                f"request {req_id!r} needs {extra} more KV blocks ({num_tokens} positions x "
+                f"request {req_id!r} needs {need} more KV blocks ({num_tokens} positions x "
                 f"{self.num_planes} planes, block size {self.block_size}) but only "
-                f"{self.pool.num_free} of {self.pool.num_blocks} are free; wait for running "
-                f"requests to finish or free some"
+                f"{self.pool.num_free} of {self.pool.num_blocks} are free"
             )
-        if extra == 0:
-            return
-        tables = self._tables.setdefault(req_id, [[] for _ in range(self.num_planes)])
-        per_plane = extra // self.num_planes
-        for plane in tables:
-            plane.extend(self.pool.allocate(per_plane))
+        for plane in range(self.num_planes):
+            self.allocate(req_id, plane, num_tokens)
 
     def free(self, req_id: str) -> None:
-        """Release every block of `req_id` (no-op for an unknown id)."""
-        for plane in self._tables.pop(req_id, []):
-            self.pool.release(plane)
+        """Release every block of `req_id` (no-op for an unknown id), last positions first so
+        that they are evicted before the prefix other requests may share."""
+        self._cached_blocks.pop(req_id, None)
+        self._changed.discard(req_id)
+        tables = self._tables.pop(req_id, [])
+        longest = max((len(t) for t in tables), default=0)
+        self.pool.release(t[i] for i in reversed(range(longest)) for t in tables if i < len(t))
 
+    def take_changed(self) -> list[str]:
+        """Requests whose block tables changed since the last call."""
+        changed, self._changed = sorted(self._changed), set()
+        return changed
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def find_prefix(self, token_ids: list[int], max_tokens: int) -> PrefixHit:
+        """The longest run of cached full blocks that `token_ids` starts with, within its first
+        `max_tokens` positions."""
+        if not self.enable_prefix_caching:
+            return PrefixHit(0, ())
+        planes: list[list[int]] = [[] for _ in range(self.num_planes)]
+        for digest in self._digests(token_ids, max_tokens // self.block_size):
+            found = [self.pool.lookup((digest, p)) for p in range(self.num_planes)]
+            if None in found:
+                break
+            for plane, block in zip(planes, found, strict=True):
+                plane.append(block)
+        return PrefixHit(len(planes[0]) * self.block_size, tuple(tuple(p) for p in planes))
+
+    def attach(self, req_id: str, hit: PrefixHit) -> None:
+        """Start `req_id`'s tables with the blocks of a prefix hit (one more reference each)."""
+        if not hit.num_tokens:
+            return
+        table = self._tables.setdefault(req_id, [[] for _ in range(self.num_planes)])
+        for plane, blocks in enumerate(hit.blocks):
+            for block in blocks:
+                self.pool.share(block, plane)
+            table[plane].extend(blocks)
+        self._cached_blocks[req_id] = len(hit.blocks[0])
+        self._changed.add(req_id)
+
+    def cache_prompt(self, req_id: str, token_ids: list[int], num_tokens: int) -> None:
+        """Index `req_id`'s full blocks among the first `num_tokens` positions, which every plane
+        holds now (prompt positions only)."""
+        if not self.enable_prefix_caching or req_id not in self._tables:
+            return
+        done = self._cached_blocks.get(req_id, 0)
+        full = num_tokens // self.block_size
+        if full <= done:
+            return
+        tables = self._tables[req_id]
+        for i, digest in enumerate(self._digests(token_ids, full)):
+            if i >= done:
+                for plane, table in enumerate(tables):
+                    self.pool.cache(table[i], (digest, plane))
+        self._cached_blocks[req_id] = full
+
+    def _digests(self, token_ids: list[int], num_blocks: int):
+        """The hash chain of the first `num_blocks` full blocks of `token_ids`."""
+        digest, size = self._salt, self.block_size
+        for i in range(min(num_blocks, len(token_ids) // size)):
+            block = token_ids[i * size : (i + 1) * size]
+            h = hashlib.blake2b(digest, digest_size=16)
+            h.update(array("q", block).tobytes())
+            digest = h.digest()
+            yield digest
+
+    # ---- addressing -------------------------------------------------------------------------
     def has_request(self, req_id: str) -> bool:
         return req_id in self._tables
 
@@ -104,7 +190,8 @@ class KVCacheManager:
         return depth if self.layout is KVLayout.LAST_EXITED else 0
 
     def block_table(self, req_id: str, plane: int) -> tuple[int, ...]:
-        return tuple(self._tables[req_id][plane])
+        tables = self._tables.get(req_id)
+        return tuple(tables[plane]) if tables else ()
 
     def slot(self, req_id: str, plane: int, position: int) -> int:
         """The flat slot (block * block_size + offset) of `position` in `plane`."""

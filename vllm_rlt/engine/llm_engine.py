@@ -75,7 +75,9 @@ class LLMEngine:
         num_planes = num_planes_for(cc.kv_layout, self.num_loops)
         blocks = plan_kv_blocks(cc, c, num_planes, weight.dtype, weight.device)
         num_blocks = blocks.num_blocks
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.kv_layout, self.num_loops)
+        self.kv_manager = KVCacheManager(
+            num_blocks, cc.block_size, cc.kv_layout, self.num_loops, cc.enable_prefix_caching
+        )
         # the longest request (prompt + output positions) add_request accepts
         self.max_model_len = resolve_max_model_len(
             mc.max_model_len,

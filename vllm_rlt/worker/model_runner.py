@@ -109,7 +109,7 @@ class ModelRunner:
                 self.states.release(mirror.slot)
         for data in batch.new_requests:
             slot = self.states.allocate(data.ring_slots * data.chunk_size)
-            self.reqs[data.request_id] = _Mirror(data, slot)
+            self.reqs[data.request_id] = _Mirror(data, slot, num_sampled=data.num_sampled)
         for req_id, tables in batch.block_tables:
             self.reqs[req_id].block_tables = tables
 
@@ -140,12 +140,13 @@ class ModelRunner:
         for m in mirrors:
             m.num_sampled += 1
         by_req = {r: i for i, r in enumerate(req_ids)}
+        wants = [p.num_logprobs for p in params]  # the mirrors may be gone when read back
 
         def to_host() -> dict[str, SampledToken]:
             ids, lps, lp_ids = (None if t is None else t.tolist() for t in copied())
             result = {}
             for r, i in by_req.items():
-                want = self.reqs[r].data.num_logprobs if r in self.reqs else -1
+                want = wants[i]
                 if lps is None or want < 0:
                     result[r] = SampledToken(ids[i], None, ())
                 else:
@@ -162,7 +163,9 @@ class ModelRunner:
         if not live:
             return None
         starts, counts, tables, rows = [], [], [], []
-        prompt_rows, prompt_tokens = [], []  # prefill rows entering through the prelude
+        # rows entering through the prelude with host-known tokens (prompt rows, and the first
+        # decode row of a resumed request)
+        prompt_rows, prompt_tokens = [], []
         decode_rows, decode_reqs = [], []  # decode rows fed with this step's sampled token
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
         row = 0
@@ -178,6 +181,9 @@ class ModelRunner:
             if depth == 0 and prefill:
                 prompt_rows.extend(range(row, row + t.num_tokens))
                 prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
+            elif depth == 0 and t.request_id not in sampled_ids[1]:  # a resumed request's
+                prompt_rows.append(row)
+                prompt_tokens.append(m.data.resume_token)
             elif depth == 0:
                 decode_rows.append(row)
                 decode_reqs.append(t.request_id)

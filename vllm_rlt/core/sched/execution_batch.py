@@ -65,6 +65,11 @@ class NewRequestData:
     top_p: float  # 1.0 = off
     seed: int  # always set: the scheduler draws one for unseeded requests
     num_logprobs: int  # top alternatives to return per token; -1 = none
+    # a resumed request (preempted, now recomputing): tokens sampled before, and the newest of
+    # them, which its first decode row takes (prompt_token_ids then holds the prompt and the
+    # output tokens fed back before it)
+    num_sampled: int = 0
+    resume_token: int | None = None
 
 
 @dataclass(frozen=True)

@@ -97,22 +97,53 @@ class _ChunkedPlanner:
                     return False
         return True
 
-    def advance(self, req: Request, tasks: list[ScheduledRequest], loops: int) -> bool:
-        """Apply `loops` invocations to `req`'s tasks, free finished chunks (in order); True once
-        the whole prompt has run every depth."""
+    def loops_to_exit(self, req: Request, task: ScheduledRequest) -> int:
+        """Invocations `task` may run before one of its rows, a recomputed output position,
+        leaves early (its skipped-depth copies must land before any later loop)."""
+        loops = self.num_loops - task.depth
+        for pos in range(max(task.token_start, req.num_prompt_tokens), _end(task)):
+            row = req.position_loops(pos, self.num_loops)
+            if row > task.depth:
+                loops = min(loops, row - task.depth)
+        return loops
+
+    def advance(
+        self, req: Request, tasks: list[ScheduledRequest], loops: int
+    ) -> tuple[bool, list[tuple[int, int]]]:
+        """Apply `loops` invocations to `req`'s tasks and free finished chunks (in order).
+        Returns whether the whole prefill has run, and the (position, 0-based last depth) of
+        recomputed output positions that left early: their rows leave the piece."""
         by_start = {p.token_start: p for p in req.pieces}
+        exits = []
         for task in tasks:
             piece = by_start[task.token_start]
             piece.depth = min(self.num_loops, piece.depth + loops)
-        while req.pieces and req.in_prefill:
+            if piece.depth < self.num_loops and _end(task) > req.num_prompt_tokens:
+                exits += self._drop_exited(req, piece)
+        while req.in_prefill:
             start = req.prefill_reclaimable_tokens
-            end = min(start + self.chunk_size, req.num_prompt_tokens)
+            end = min((start // self.chunk_size + 1) * self.chunk_size, req.prefill_len)
             chunk = [p for p in req.pieces if p.token_start < end]
             if req.num_prefilled_tokens < end or any(p.depth < self.num_loops for p in chunk):
                 break
             req.pieces = req.pieces[len(chunk) :]
             req.prefill_reclaimable_tokens = end
-        return not req.in_prefill
+        return not req.in_prefill, exits
+
+    def _drop_exited(self, req: Request, piece: PrefillPiece) -> list[tuple[int, int]]:
+        """Split `piece` around its rows whose loops are done; returns those rows' exits."""
+        live, exits = [], []
+        for pos in range(piece.token_start, piece.token_start + piece.num_tokens):
+            if req.position_loops(pos, self.num_loops) <= piece.depth:
+                exits.append((pos, piece.depth - 1))
+            elif live and live[-1].token_start + live[-1].num_tokens == pos:
+                live[-1].num_tokens += 1
+            else:
+                live.append(PrefillPiece(pos, 1, piece.depth))
+        if exits:
+            i = next(i for i, p in enumerate(req.pieces) if p is piece)
+            req.pieces[i : i + 1] = live
+        return exits
 
     def _enter(self, req: Request, budget: int, scheduled: set[int]) -> list[PrefillPiece]:
         """The next chunk's new positions at depth 0 (cut by budget), if rows, a ring slot and
@@ -120,7 +151,7 @@ class _ChunkedPlanner:
         if budget <= 0 or not self._can_enter(req) or not self._ready(req, None, scheduled):
             return []
         start = req.num_prefilled_tokens
-        chunk_end = min((start // self.chunk_size + 1) * self.chunk_size, req.num_prompt_tokens)
+        chunk_end = min((start // self.chunk_size + 1) * self.chunk_size, req.prefill_len)
         piece = PrefillPiece(start, min(budget, chunk_end - start), 0)
         req.pieces.append(piece)
         req.num_prefilled_tokens += piece.num_tokens
@@ -129,7 +160,7 @@ class _ChunkedPlanner:
 
     def _can_enter(self, req: Request) -> bool:
         start = req.num_prefilled_tokens
-        if start >= req.num_prompt_tokens:
+        if start >= req.prefill_len:
             return False
         oldest = req.prefill_reclaimable_tokens // self.chunk_size
         return start // self.chunk_size - oldest < self.ring_slots
@@ -155,6 +186,10 @@ class _ChunkedPlanner:
             depth=piece.depth,
             prefill_hidden_row_offset=self.row_offset(piece.token_start),
         )
+
+
+def _end(task: ScheduledRequest) -> int:
+    return task.token_start + task.num_tokens
 
 
 class SplitPlanner(_ChunkedPlanner):

@@ -15,17 +15,23 @@ class RequestQueue:
         self.policy = policy
         self._heap: list[tuple[tuple, Request]] = []
         self._order = itertools.count()
-        self._removed: set[str] = set()
+        self._front = itertools.count(-1, -1)  # preempted requests go before every other
+        self._removed: set[int] = set()  # id() of removed requests still in the heap
         self._size = 0
 
-    def _key(self, req: Request) -> tuple:
-        seq = next(self._order)
+    def _key(self, req: Request, seq: int) -> tuple:
         if self.policy == "priority":
             return (req.priority, req.arrival_time, seq)
         return (seq,)
 
     def push(self, req: Request) -> None:
-        heapq.heappush(self._heap, (self._key(req), req))
+        heapq.heappush(self._heap, (self._key(req, next(self._order)), req))
+        self._size += 1
+
+    def push_front(self, req: Request) -> None:
+        """Queue a preempted request: FCFS puts it first (the latest preempted first), the
+        priority policy by its priority and arrival."""
+        heapq.heappush(self._heap, (self._key(req, next(self._front)), req))
         self._size += 1
 
     def peek(self) -> Request | None:
@@ -39,19 +45,15 @@ class RequestQueue:
 
     def remove(self, req: Request) -> None:
         """Lazy removal (abort of a waiting request)."""
-        self._removed.add(req.request_id)
+        self._removed.add(id(req))
         self._size -= 1
 
     def _drop_removed(self) -> None:
-        while self._heap and self._heap[0][1].request_id in self._removed:
-            self._removed.discard(heapq.heappop(self._heap)[1].request_id)
+        while self._heap and id(self._heap[0][1]) in self._removed:
+            self._removed.discard(id(heapq.heappop(self._heap)[1]))
 
     def __len__(self) -> int:
         return self._size
 
     def __iter__(self):
-        return (
-            r
-            for _, r in sorted(self._heap, key=lambda x: x[0])
-            if r.request_id not in self._removed
-        )
+        return (r for _, r in sorted(self._heap, key=lambda x: x[0]) if id(r) not in self._removed)

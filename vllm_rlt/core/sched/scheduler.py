@@ -1,10 +1,18 @@
 """The scheduler: admission, the per-step plan (`schedule`) and its consequences (`update`).
 
 Invariant of `schedule()`: every row of the plan's first invocation counts against
-`max_num_batched_tokens`; every running request holds the KV for all the positions it may write
-(reserved at admission), so no step can run out of KV; decode rows come before prefill tasks, and
-a batch with decode rows takes at most `prefill_rows_with_decode` prefill rows (a latency
-rule: decode rows wait for every row of their invocation; WCPB's default: half the budget).
+`max_num_batched_tokens`; decode rows come before prefill tasks, and a batch with decode rows
+takes at most `prefill_rows_with_decode` prefill rows (a latency rule: decode rows wait for every
+row of their invocation; WCPB's default: half the budget).
+
+KV (`_place`): the plan is made first, then the blocks it writes are allocated, plane by plane
+(each task's positions in the planes of the depths it runs, each exited token's skipped planes).
+Only when they do not fit are requests preempted, by queue policy (the latest arrival, or the
+lowest priority then the latest): the victim's blocks are freed, its work leaves the plan and it
+waits first in line. A resumed request recomputes its prompt and its fed-back output positions
+as an ordinary staged prefill in which each output position runs the loops it ran before
+(`Request.position_loops`), so its KV, and everything it generates next, is what it would have
+been. A request admitted in this step that does not fit goes back unannounced.
 
 `loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
@@ -17,10 +25,13 @@ rule: decode rows wait for every row of their invocation; WCPB's default: half t
   R4. latency rule `max_prefill_stall_loops`: a batch runs at most that many loops, so new
       arrivals are admitted within that many loops;
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
-Merely having waiting requests does not split a batch.
+  R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
+Merely having waiting requests, or possible preemptions, does not split a batch.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, KVLayout
@@ -57,8 +68,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._new: list[NewRequestData] = []  # what the runner hears in the next batch
-        self._copies: dict[str, list[tuple[int, int]]] = {}
-        self._finished: list[str] = []
+        self._exits: list[tuple[str, int, int]] = []  # (request, position, last depth) to copy
+        self._finished: list[str] = []  # requests the runner forgets (ended or preempted)
+        self._order: dict[str, int] = {}  # request -> arrival rank (ties of arrival_time)
+        self._ranks = itertools.count()
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # positions looked up in the prefix cache at admission
+        self.prefix_hits = 0  # positions found there
 
     @property
     def expected_segments(self) -> int:
@@ -73,6 +89,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._ranks)
         self.waiting.push(req)
 
     def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
@@ -84,68 +101,93 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-            self.kv.free(req_id)
-            self._copies.pop(req_id, None)
+            self._release(req_id)
             self._finished.append(req_id)
         req.status = status
         del self.requests[req_id]
+        del self._order[req_id]
         return req
+
+    def _release(self, req_id: str) -> None:
+        self.kv.free(req_id)
+        self._exits = [e for e in self._exits if e[0] != req_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- schedule ---------------------------------------------------------------------------
     def schedule(self) -> ExecutionBatch:
-        self._admit()
+        admitted = self._admit()
         budget = self.config.max_num_batched_tokens
-        decode_tasks: list[ScheduledRequest] = []
         samples: list[str] = []
-        prefill_tasks: list[ScheduledRequest] = []
         if self.config.scheduling_mode == "mixed":
             decode_tasks, samples = self._decode_work(budget)
             prefill_budget = budget - len(decode_tasks)
             cap = self.config.prefill_rows_with_decode
             if decode_tasks and cap is not None:
                 prefill_budget = min(prefill_budget, cap)
-            prefill_tasks = self._plan_prefill(prefill_budget)
+            tasks, loops = self._place(
+                decode_tasks, self._plan_prefill(prefill_budget), samples, admitted
+            )
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
-            prefill_tasks = self._plan_prefill(budget)
-            if not prefill_tasks:
+            tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
+            if not tasks:  # no prefill work, or preemption took all of it
                 decode_tasks, samples = self._decode_work(budget)
-        loops = self._loop_count(decode_tasks, prefill_tasks)
+                tasks, loops = self._place(decode_tasks, [], samples, admitted)
         new = tuple(self._new)
+        changed = [r for r in self.kv.take_changed() if r in self.requests]
         batch = ExecutionBatch(
-            requests=tuple(decode_tasks + prefill_tasks),
+            requests=tuple(tasks),
             loop_count=loops,
             new_requests=new,
             block_tables=tuple(
-                (
-                    n.request_id,
-                    tuple(self.kv.block_table(n.request_id, p) for p in range(self.kv.num_planes)),
-                )
-                for n in new
+                (r, tuple(self.kv.block_table(r, p) for p in range(self.kv.num_planes)))
+                for r in changed
             ),
-            kv_copies=tuple(c for copies in self._copies.values() for c in copies),
+            kv_copies=tuple(
+                pair for rid, pos, depth in self._exits
+                for pair in self.kv.exit_copy_slots(rid, pos, depth)
+            ),
             sample_req_ids=tuple(samples),
             finished_req_ids=tuple(self._finished),
-        )
-        self._new, self._copies, self._finished = [], {}, []
+        )  # fmt: skip
+        self._new, self._exits, self._finished = [], [], []
         return batch
 
-    def _admit(self) -> None:
+    def _admit(self) -> dict[str, tuple[int, int]]:
+        """Move waiting requests to running while seats and free blocks for their first chunk
+        allow (a resumed request once its last sampled token is read back); returns their ids
+        with the positions they looked up in the prefix cache and found."""
+        admitted = {}
+        watermark = self.kv.num_total_blocks // 100
         while len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            if req is None or not self.kv.can_reserve(req.request_id, req.max_positions):
-                return
+            if req is None or req.pending_exit_depths:
+                break
+            req.resume_tokens = max(0, len(req.output_token_ids) - 1)
+            ids = req.prefill_token_ids()
+            # generated positions are never cached; the last position is always recomputed
+            queried = min(req.num_prompt_tokens, req.prefill_len - 1)
+            hit = self.kv.find_prefix(ids, queried)
+            first = min(hit.num_tokens + self.planner.chunk_size, req.prefill_len)
+            need = self.kv.blocks_for(hit.num_tokens) + -(-first // self.kv.block_size)
+            if need + watermark > self.kv.num_free_blocks:
+                break
             self.waiting.pop()
-            self.kv.reserve(req.request_id, req.max_positions)
+            self.kv.attach(req.request_id, hit)
+            if self.kv.enable_prefix_caching:
+                admitted[req.request_id] = (queried, hit.num_tokens)
+                self._count_prefix(queried, hit.num_tokens)
+            else:
+                admitted[req.request_id] = (0, 0)
+            req.num_prefilled_tokens = req.prefill_reclaimable_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             params = req.sampling_params
             self._new.append(
                 NewRequestData(
                     request_id=req.request_id,
-                    prompt_token_ids=tuple(req.prompt_token_ids),
+                    prompt_token_ids=tuple(ids),
                     ring_slots=self.planner.ring_slots,
                     chunk_size=self.planner.chunk_size,
                     temperature=params.temperature,
@@ -153,8 +195,80 @@ class Scheduler:
                     top_p=params.top_p,
                     seed=req.seed,
                     num_logprobs=-1 if params.logprobs is None else params.logprobs,
+                    num_sampled=len(req.output_token_ids),
+                    resume_token=req.output_token_ids[-1] if req.output_token_ids else None,
                 )
             )
+        return admitted
+
+    def _count_prefix(self, queried: int, found: int) -> None:
+        self.prefix_queries += queried
+        self.prefix_hits += found
+
+    def _place(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict):
+        """Allocate the blocks the plan writes, preempting requests while they do not fit;
+        returns the plan without the victims' tasks (`samples` loses their samples) and its
+        loop count."""
+        tasks = decode_tasks + prefill_tasks
+        loops = self._loop_count(decode_tasks, prefill_tasks)
+        while True:
+            need = self._kv_needs(tasks, loops)
+            lacking = sum(self.kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
+            if lacking <= self.kv.num_free_blocks:
+                break
+            if not self.running:
+                raise RuntimeError(f"the KV cache cannot hold one step's work ({lacking} blocks)")
+            victim = max(self.running, key=self._victim_key)
+            self._preempt(victim, victim.request_id in samples, admitted.get(victim.request_id))
+            tasks = [t for t in tasks if t.request_id != victim.request_id]
+            if victim.request_id in samples:
+                samples.remove(victim.request_id)
+        for (req_id, plane), end in need.items():
+            self.kv.allocate(req_id, plane, end)
+        if len(tasks) < len(decode_tasks) + len(prefill_tasks):  # victims' work left the plan
+            loops = min(loops, self._loop_count(*_split_kinds(tasks)))
+        return tasks, loops
+
+    def _kv_needs(self, tasks, loops: int) -> dict[tuple[str, int], int]:
+        """(request, plane) -> the positions [0, end) the step writes there."""
+        need: dict[tuple[str, int], int] = {}
+
+        def write(req_id: str, depths, end: int) -> None:
+            for d in depths:
+                key = (req_id, self.kv.plane(d))
+                need[key] = max(need.get(key, 0), end)
+
+        for t in tasks:
+            last = min(self.num_loops, t.depth + loops)
+            write(t.request_id, range(t.depth, last), t.token_start + t.num_tokens)
+        for req_id, pos, depth in self._exits:
+            write(req_id, range(depth + 1, self.kv.num_planes), pos + 1)
+        return need
+
+    def _victim_key(self, req: Request) -> tuple:
+        """Larger = preempted first: the latest arrival (priority policy: the lowest priority,
+        then the latest arrival)."""
+        arrival = (req.arrival_time, self._order[req.request_id])
+        return (req.priority, *arrival) if self.config.queue_policy == "priority" else arrival
+
+    def _preempt(self, req: Request, sampled_now: bool, admitted_now) -> None:
+        """Free `req`'s blocks and send it back to the front of the queue; it keeps its output
+        tokens and their exit depths and recomputes the rest when it resumes. `admitted_now`:
+        its prefix-cache lookup when it was admitted in this step (then it is withdrawn)."""
+        self.running.remove(req)
+        self._release(req.request_id)
+        if admitted_now is not None:  # the runner has not heard of it: withdraw it
+            self._new = [n for n in self._new if n.request_id != req.request_id]
+            self._count_prefix(-admitted_now[0], -admitted_now[1])
+        else:
+            self._finished.append(req.request_id)
+            self.num_preemptions += 1
+        if sampled_now:  # the token this step would have sampled
+            req.pending_exit_depths.pop()
+        req.pieces, req.decode, req.ready_loops = [], None, None
+        req.num_prefilled_tokens = req.prefill_reclaimable_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.push_front(req)
 
     def _decode_work(self, budget: int) -> tuple[list[ScheduledRequest], list[str]]:
         """One row per decoding request (the newest token at its next depth), and the requests
@@ -222,9 +336,11 @@ class Scheduler:
             loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4
             loops = min(loops, self.config.max_prefill_stall_loops)
-        for req_id, tasks in _by_request(prefill_tasks).items():  # R3
-            if not self.planner.atomic_loops(self.requests[req_id], tasks, loops):
+        for req_id, tasks in _by_request(prefill_tasks).items():
+            req = self.requests[req_id]
+            if not self.planner.atomic_loops(req, tasks, loops):  # R3
                 return 1
+            loops = min([loops] + [self.planner.loops_to_exit(req, t) for t in tasks])  # R6
         return loops
 
     def _decode_loops(self, decode_tasks, prefill_tasks) -> int:
@@ -255,8 +371,24 @@ class Scheduler:
                 self._after_loops(req, gate, batch.loop_count)
         for req_id, tasks in _by_request(batch.requests, RowKind.PREFILL).items():
             req = self.requests.get(req_id)
-            if req is not None and self.planner.advance(req, tasks, batch.loop_count):
-                req.ready_loops = self.num_loops  # the first token comes from full depth
+            if req is None:
+                continue
+            done, exits = self.planner.advance(req, tasks, batch.loop_count)
+            self._exits += [(req_id, pos, depth) for pos, depth in exits]
+            prompt_done = min(req.prefill_reclaimable_tokens, req.num_prompt_tokens)
+            self.kv.cache_prompt(req_id, req.prompt_token_ids, prompt_done)
+            if done:
+                self._start_decoding(req)
+
+    def _start_decoding(self, req: Request) -> None:
+        """After the prefill: the first token comes from full depth; a resumed request instead
+        feeds back its newest output token, as before it was preempted."""
+        if not req.output_token_ids:
+            req.ready_loops = self.num_loops
+            return
+        index = len(req.output_token_ids) - 1
+        req.decode = DecodeToken(position=req.prefill_len, index=index)
+        self.exit_policy.start(req.decode, req.exit, req.request_id)
 
     def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
         """The tokens `batch` sampled (request_id -> SampledToken), oldest unread first: stop
@@ -292,9 +424,13 @@ class Scheduler:
             return
         req.decode = None
         req.ready_loops = tok.loops_done
-        copies = self.kv.exit_copy_slots(req.request_id, tok.position, tok.loops_done - 1)
-        if copies:
-            self._copies.setdefault(req.request_id, []).extend(copies)
+        if tok.loops_done < self.kv.num_planes:
+            self._exits.append((req.request_id, tok.position, tok.loops_done - 1))
+
+
+def _split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    decode = [t for t in tasks if t.kind is RowKind.DECODE]
+    return decode, [t for t in tasks if t.kind is RowKind.PREFILL]
 
 
 def _by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRequest]]:
