@@ -84,8 +84,17 @@ class CacheConfig:
     num_kv_blocks: int | None = _help(
         "KV blocks (all planes share them); default: from kv_cache_memory_gb", default=None
     )
-    kv_cache_memory_gb: float = _help(
-        "memory for the KV cache when num_kv_blocks is unset", default=1.0
+    kv_cache_memory_gb: float | None = _help(
+        "memory for the KV cache when num_kv_blocks is unset; default: on CUDA what "
+        "gpu_memory_utilization leaves, on the CPU a tenth of the available host memory "
+        "(MemAvailable), at most 1 GiB",
+        default=None,
+    )
+    gpu_memory_utilization: float = _help(
+        "fraction of the GPU's memory this engine may use (weights, activations, CUDA graphs, "
+        "the KV cache; memory other processes hold counts against it): the KV cache gets what "
+        "the rest leaves, measured at start (unless num_kv_blocks or kv_cache_memory_gb is set)",
+        default=0.9,
     )
     enable_prefix_caching: bool = _help(
         "reuse the KV of full prompt blocks that earlier requests computed (blocks stay cached "
@@ -103,7 +112,10 @@ class CacheConfig:
             self.num_kv_blocks,
             ">= 1",
         )
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb, "> 0")
+        gb = self.kv_cache_memory_gb
+        _check(gb is None or gb > 0, "kv_cache_memory_gb", gb, "> 0")
+        util = self.gpu_memory_utilization
+        _check(0 < util <= 1, "gpu_memory_utilization", util, "in (0, 1]")
 
 
 @dataclass(frozen=True)

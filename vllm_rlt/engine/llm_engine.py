@@ -24,8 +24,8 @@ from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, num_planes_for
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
-from vllm_rlt.core.sched.scheduler import Scheduler
-from vllm_rlt.engine.kv_sizing import plan_kv_blocks, resolve_max_model_len
+from vllm_rlt.core.sched.scheduler import Scheduler, make_planner
+from vllm_rlt.engine.kv_sizing import log_kv_cache, plan_kv_blocks, resolve_max_model_len
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
 from vllm_rlt.models import registry
@@ -36,7 +36,9 @@ from vllm_rlt.request import ExitSettings, Request, RequestStatus
 from vllm_rlt.sampling_params import SamplingParams, check_text
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, graphs_supported
 from vllm_rlt.worker.graph_tables import graph_specs
+from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.memory_profile import DeviceMemory, measure_device_memory
 from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,25 @@ class LLMEngine:
         weight = self.model.lm_head.weight
         c = self.model_config
         num_planes = num_planes_for(cc.kv_layout, self.num_loops)
-        blocks = plan_kv_blocks(cc, c, num_planes, weight.dtype, weight.device)
+        # everything that stays on the device besides the KV cache exists before it is sized
+        planner = make_planner(sc, cc.kv_layout, self.num_loops)
+        ring_rows = planner.ring_slots * planner.chunk_size
+        states = HiddenStateStore(
+            sc.max_num_seqs, ring_rows, c.hidden_size, weight.dtype, weight.device
+        )
+        tile_rows = tile_rows_for(sc.chunk_size)
+        specs = ()
+        if not mc.enforce_eager and graphs_supported(self.model):
+            segments = planner.expected_segments(sc.max_num_seqs)
+            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments, tile_rows)
+
+        def measure() -> DeviceMemory:  # graphs sized for the longest context a request may get
+            max_context = mc.max_model_len or c.max_position_embeddings
+            budget = sc.max_num_batched_tokens
+            args = (budget, sc.max_num_seqs, cc.block_size, tile_rows, specs, max_context)
+            return measure_device_memory(self.model, *args)
+
+        blocks = plan_kv_blocks(cc, c, num_planes, weight.dtype, weight.device, measure)
         num_blocks = blocks.num_blocks
         self.kv_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.kv_layout, self.num_loops, cc.enable_prefix_caching
@@ -85,6 +105,7 @@ class LLMEngine:
             self.kv_manager.max_tokens_per_request(),
             blocks,
         )
+        log_kv_cache(blocks, cc.block_size, num_planes, self.max_model_len)
         kv_cache = DeviceKVCache(
             c.num_hidden_layers,
             num_blocks,
@@ -96,22 +117,11 @@ class LLMEngine:
         )
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
-        tile_rows = tile_rows_for(sc.chunk_size)
         graphs = None
-        if not mc.enforce_eager and graphs_supported(self.model):
+        if specs:
             max_context = min(self.max_model_len, self.kv_manager.max_tokens_per_request())
-            segments = self.scheduler.expected_segments
-            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments, tile_rows)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
-        self.runner = ModelRunner(
-            self.model,
-            kv_cache,
-            self.kv_manager.num_planes,
-            sc.max_num_seqs,
-            self.scheduler.planner.ring_slots * self.scheduler.planner.chunk_size,
-            graphs,
-            tile_rows,
-        )
+        self.runner = ModelRunner(self.model, kv_cache, states, num_planes, graphs, tile_rows)
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None

@@ -55,15 +55,15 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         kv_cache: DeviceKVCache,
+        states: HiddenStateStore,
         num_planes: int,
-        max_num_seqs: int,
-        max_ring_rows: int,
         graphs: CudaGraphRunner | None = None,
         tile_rows: int = TILE_ROWS,
     ):
-        """`graphs`: runs the invocations its buckets admit over static buffers (None: all
-        eager); `tile_rows`: rows per multi-row attention tile of eager invocations (the graph
-        runner's own)."""
+        """`states`: the hidden-state buffer (a slot per running request; the engine allocates
+        it before sizing the KV cache); `graphs`: runs the invocations its buckets admit over
+        static buffers (None: all eager); `tile_rows`: rows per multi-row attention tile of
+        eager invocations (the graph runner's own)."""
         self.model = model
         self.graphs = graphs
         self.tile_rows = tile_rows
@@ -71,10 +71,7 @@ class ModelRunner:
         self.num_planes = num_planes
         self.num_loops = model.num_loops
         self.device = kv_cache.kv.device
-        weight = model.lm_head.weight
-        self.states = HiddenStateStore(
-            max_num_seqs, max_ring_rows, model.config.hidden_size, weight.dtype, self.device
-        )
+        self.states = states
         self.reqs: dict[str, _Mirror] = {}
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None

@@ -46,6 +46,13 @@ class _ChunkedPlanner:
         """Priority of the `round_`-th new chunk of a request (each entry takes one chunk)."""
         raise NotImplementedError
 
+    def expected_segments(self, max_num_seqs: int) -> int:
+        """Segments an invocation holds at most in the usual case: per running request its decode
+        row, or its resident prefill chunks and one piece the token budget cut (the runner's
+        CUDA graphs are sized for this many; an invocation with more runs in a larger graph or
+        eagerly)."""
+        return max_num_seqs * (self.ring_slots + 1)
+
     def row_offset(self, token_start: int) -> int:
         """Row of `token_start` in its request's ring: slot * chunk_size + offset in the chunk."""
         c = self.chunk_size

@@ -48,6 +48,17 @@ from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
 
 
+def make_planner(
+    config: SchedulerConfig, layout: KVLayout | str, num_loops: int
+) -> SplitPlanner | WavefrontPlanner:
+    """The prefill planner of a scheduler with these settings (the engine sizes buffers from its
+    ring before the KV cache, and so the scheduler, exists)."""
+    # SHARED KV needs position waves: a position finishes every depth before the next one
+    chunk = 1 if KVLayout(layout) is KVLayout.SHARED else config.chunk_size
+    planner = WavefrontPlanner if config.wavefront_chunked_prefill else SplitPlanner
+    return planner(chunk, num_loops)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -60,10 +71,7 @@ class Scheduler:
         self.kv = kv_manager
         self.exit_policy = exit_policy
         self.num_loops = num_loops
-        # SHARED KV needs position waves: a position finishes every depth before the next one
-        chunk = 1 if kv_manager.layout is KVLayout.SHARED else config.chunk_size
-        planner = WavefrontPlanner if config.wavefront_chunked_prefill else SplitPlanner
-        self.planner = planner(chunk, num_loops)
+        self.planner = make_planner(config, kv_manager.layout, num_loops)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -78,11 +86,7 @@ class Scheduler:
 
     @property
     def expected_segments(self) -> int:
-        """Segments an invocation holds at most in the usual case: per running request its decode
-        row, or its resident prefill chunks and one piece the token budget cut (the runner's
-        CUDA graphs are sized for this many; an invocation with more runs in a larger graph or
-        eagerly)."""
-        return self.config.max_num_seqs * (self.planner.ring_slots + 1)
+        return self.planner.expected_segments(self.config.max_num_seqs)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
