@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 GIB = 2**30
 CPU_KV_FRACTION = 0.1  # of the available host memory, the CPU default's KV cache
 CPU_KV_CAP_BYTES = GIB  # at most: the CPU serves small models, and tests start fast
+MEMINFO = "/proc/meminfo"  # the host's available memory (Linux)
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
