@@ -54,6 +54,10 @@ class EngineSnapshot:
     kv_usage: float = 0.0  # fraction of KV blocks in use
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    kv_plane_usage: tuple[float, ...] = ()  # per KV plane: its blocks in use / all blocks
+    num_preemptions: int = 0  # requests preempted so far (their KV freed, recomputed later)
+    prefix_cache_queries: int = 0  # prompt positions looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt positions found there
     stats: dict[str, float] = field(default_factory=dict)  # EngineStats.as_dict()
 
 
@@ -244,6 +248,10 @@ class AsyncLLMEngine:
             kv_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_total_blocks,
+            kv_plane_usage=tuple(n / kv.num_total_blocks for n in kv.pool.plane_usage()),
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_queries,
+            prefix_cache_hits=sched.prefix_hits,
             stats=self.engine.stats.as_dict(),
         )
 

@@ -119,11 +119,36 @@ class ServerMetrics:
             *_metric("gauge", "kv_cache_usage_perc", "KV blocks in use (0-1).", snap.kv_usage),
             *_metric("gauge", "num_free_kv_blocks", "Free KV blocks.", snap.num_free_blocks),
             *_metric("gauge", "num_total_kv_blocks", "KV blocks.", snap.num_total_blocks),
+            *_metric(
+                "counter",
+                "num_preemptions_total",
+                "Requests preempted (KV freed; they recompute when they resume).",
+                snap.num_preemptions,
+            ),
+            *_metric(
+                "counter",
+                "prefix_cache_queries_total",
+                "Prompt positions looked up in the prefix cache.",
+                snap.prefix_cache_queries,
+            ),
+            *_metric(
+                "counter",
+                "prefix_cache_hits_total",
+                "Prompt positions found in the prefix cache.",
+                snap.prefix_cache_hits,
+            ),
             *_metric("counter", "prompt_tokens_total", "Prompt tokens.", self.prompt_tokens),
             *_metric(
                 "counter", "generation_tokens_total", "Generated tokens.", self.generation_tokens
             ),
         ]
+        name = PREFIX + "kv_cache_usage_perc_by_plane"
+        lines += [
+            f"# HELP {name} KV blocks in use in each depth plane, of all blocks (0-1).",
+            f"# TYPE {name} gauge",
+        ]
+        for plane, usage in enumerate(snap.kv_plane_usage):
+            lines.append(f'{name}{{plane="{plane}"}} {_num(usage)}')
         name = PREFIX + "request_success_total"
         lines += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
         for reason, n in sorted(self.requests_finished.items()):
