@@ -29,12 +29,12 @@ def workload(seed: int):
     and engine settings; the KV cache holds exactly one request of the longest job's length."""
     rng = random.Random(seed)
     exits = rng.random() < 0.5
-    system = rng.choices(range(256), k=rng.randint(0, 12))
+    system = rng.choices(range(256), k=rng.randint(0, 8))
     jobs = []
-    for i in range(rng.randint(2, 6)):
-        prompt = system + rng.choices(range(256), k=rng.randint(1, 30))
+    for i in range(rng.randint(2, 4)):
+        prompt = system + rng.choices(range(256), k=rng.randint(1, 20))
         params = SamplingParams(
-            max_tokens=rng.randint(1, 16),
+            max_tokens=rng.randint(1, 10),
             temperature=rng.choice([0.0, 0.0, 1.0]),
             seed=rng.randrange(10**6),
             exit_threshold=rng.choice([0.3, 0.5, 0.8]) if exits else 1.0,
