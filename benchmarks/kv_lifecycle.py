@@ -12,8 +12,8 @@ engine of a scenario. One run per engine (no repeats).
 - early_stop: 64 requests (512 in, max_tokens 2048) that stop after 64 tokens, on-demand
   allocation (the engine) vs the old reservation scheme, emulated (see its "method").
 - prefix: 64 requests sharing a 2,048-token system prompt, distinct 64-token suffixes, 64 out,
-  max_num_seqs 8, prefix caching on vs off (targets: TTFT p50 on/off <= 0.25, request
-  throughput on/off >= 2).
+  max_num_seqs 8 and 32 with a client that keeps that many in flight, prefix caching on vs off
+  (targets: TTFT p50 on/off <= 0.25, request throughput on/off >= 2).
 - pressure: 64 requests (512 in / 256 out) at max_num_seqs 32 with a KV cache that holds a
   quarter of the working set vs kv_cache_memory_gb=40: every request completes; throughput
   ratio and preemptions.
@@ -53,7 +53,15 @@ SIZES = {
         "early_stop": dict(
             prompt=512, max_tokens=2048, stop_after=64, requests=64, seqs=32, reservation_seats=8
         ),
-        "prefix": dict(system=2048, suffix=64, max_tokens=64, requests=64, seqs=[8], kv_gb=40.0),
+        "prefix": dict(
+            system=2048,
+            suffix=64,
+            max_tokens=64,
+            requests=64,
+            seqs=[8, 32],
+            kv_gb=40.0,
+            closed_loop=True,
+        ),
         "pressure": dict(
             prompt=512, max_tokens=256, requests=64, seqs=32, kv_fraction=0.25, kv_gb=40.0
         ),
@@ -63,7 +71,9 @@ SIZES = {
         "early_stop": dict(
             prompt=48, max_tokens=200, stop_after=6, requests=6, seqs=4, reservation_seats=1
         ),
-        "prefix": dict(system=64, suffix=16, max_tokens=6, requests=6, seqs=[4], kv_gb=0.05),
+        "prefix": dict(
+            system=64, suffix=16, max_tokens=6, requests=6, seqs=[4], kv_gb=0.05, closed_loop=True
+        ),
         "pressure": dict(
             prompt=48, max_tokens=24, requests=8, seqs=8, kv_fraction=0.25, kv_gb=0.05
         ),
@@ -86,24 +96,27 @@ def one_wave(length: int):
     return lambda rng, vocab, n: [random_prompts(rng, vocab, n, length)]
 
 
-def drive(engine: LLMEngine, waves: list[list[list[int]]], max_tokens: int, stop_after=None):
+def drive(
+    engine: LLMEngine, waves, max_tokens: int, stop_after=None, concurrency: int | None = None
+):
     """Run `waves` of prompts: the first at once, each next one once every request sent so far has
     its first token. `stop_after`: abort a request once it has that many tokens (an early stop).
-    TTFT and E2E count from each request's own submission."""
+    `concurrency`: a client that keeps at most that many requests in flight, sending the next
+    prompt as one finishes. TTFT and E2E count from each request's own submission."""
     sched, pool = engine.scheduler, engine.kv_manager.pool
     before = (sched.num_preemptions, sched.prefix_queries, sched.prefix_hits)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     sent, first, done, n_out, running = {}, {}, {}, {}, []
     peak_planes = pool.plane_usage()
-    waves = list(waves)
+    waves, queued = list(waves), []
     start = time.perf_counter()
-    while waves or engine.has_unfinished_requests():
+    while waves or queued or engine.has_unfinished_requests():
         if waves and len(first) == len(sent):
-            now = time.perf_counter()
-            for prompt in waves.pop(0):
-                rid = f"r{next(_ids)}"
-                engine.add_request(rid, prompt, params, arrival_time=now)
-                sent[rid] = now
+            queued += waves.pop(0)
+        while queued and (concurrency is None or len(sent) - len(done) < concurrency):
+            rid, now = f"r{next(_ids)}", time.perf_counter()
+            engine.add_request(rid, queued.pop(0), params, arrival_time=now)
+            sent[rid] = now
         outs = engine.step()
         now = time.perf_counter()
         running.append(len(sched.running))
@@ -158,7 +171,9 @@ def run_engine(loaded, args, label: str, s: dict, make=None, **settings) -> dict
     engine = LLMEngine(config, loaded=loaded)
     rng, vocab = np.random.default_rng(0), engine.model_config.vocab_size
     drive(engine, make(rng, vocab, settings["max_num_seqs"]), min(s["max_tokens"], WARMUP_TOKENS))
-    result = drive(engine, make(rng, vocab, s["requests"]), s["max_tokens"], s.get("stop_after"))
+    waves, limit = make(rng, vocab, s["requests"]), settings["max_num_seqs"]
+    concurrency = limit if s.get("closed_loop") else None
+    result = drive(engine, waves, s["max_tokens"], s.get("stop_after"), concurrency)
     print(f"  {label}: {result['request_throughput']:.3f} req/s", flush=True)
     return {"run": label, "settings": settings, "device_free_gib_at_start": free, **result}
 
@@ -233,9 +248,11 @@ def prefix(loaded, args, s: dict) -> dict:
         ratios[f"max_num_seqs={seqs}"] = ratio(*pair)
     return {
         "method": (
-            "one request first, alone; the rest at once when it has its first token (its "
-            "prompt is then cached: a system prompt in use). The warm-up uses another system "
-            "prompt. Throughput counts from the first request's submission"
+            "one request first, alone; once it has its first token (its prompt is then cached: "
+            "a system prompt in use) the rest through a client that keeps max_num_seqs requests "
+            "in flight, each sent as one finishes (BENCHMARKS.md: a concurrency limit's wait is "
+            "not part of TTFT). The warm-up uses another system prompt. Throughput counts from "
+            "the first request's submission"
         ),
         "runs": runs,
         "ratios_on_over_off": ratios,

@@ -5,6 +5,7 @@ block leaks; every workload finishes in a bounded number of steps."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -67,17 +68,20 @@ def step_bound(jobs) -> int:
     return 4 * (work + max(j.arrival_step for j in jobs)) + 50
 
 
-def run_workload(model_dir, seed: int) -> tuple[int, int]:
+def run_workload(model_dir, seed: int, device="cpu", backend="torch") -> tuple[int, int]:
     """Returns (preemptions, near-ties)."""
     jobs, settings = workload(seed)
-    solo = make_engine(model_dir, max_num_seqs=1)
+    solo = make_engine(model_dir, device, backend, max_num_seqs=1)
     want = {}
     for job in jobs:
         want.update(run_batched(solo, [Job(job.req_id, job.prompt, job.params)]))
-    eng = make_engine(model_dir, **settings)
-    steps = []
-    got = run_batched(eng, jobs, check=lambda e: steps.append(1))
-    assert len(steps) <= step_bound(jobs), f"workload {seed} took {len(steps)} steps"
+    eng = make_engine(model_dir, device, backend, **settings)
+    steps = itertools.count(1)
+
+    def bounded(_):
+        assert next(steps) <= step_bound(jobs), f"workload {seed} exceeds its step bound"
+
+    got = run_batched(eng, jobs, check=bounded)
     near_ties = compare(eng, jobs, got, want, "last_exited")
     assert kv_all_free(eng)  # cached blocks nobody holds count as free
     assert eng.kv_manager.pool.plane_usage() == [0] * D
@@ -98,3 +102,12 @@ def test_preempted_requests_equal_their_solo_runs(model_dir, block):
     print(f"block {block}: {preempted}/{len(seeds)} workloads preempted, {total} preemptions")
     assert preempted >= len(seeds) // 2
     assert near_ties <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_preemption_on_gpu(model_dir, backend):
+    """A subset on CUDA (fp32, CUDA graphs with the triton backend)."""
+    results = [run_workload(model_dir, s, "cuda", backend) for s in range(24)]
+    assert sum(1 for p, _ in results if p) >= 12
+    assert sum(t for _, t in results) <= 2

@@ -24,7 +24,8 @@ from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, num_planes_for
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
-from vllm_rlt.core.sched.scheduler import Scheduler, make_planner
+from vllm_rlt.core.sched.prefill_planner import make_planner
+from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.engine.kv_sizing import log_kv_cache, plan_kv_blocks, resolve_max_model_len
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
@@ -106,15 +107,7 @@ class LLMEngine:
             blocks,
         )
         log_kv_cache(blocks, cc.block_size, num_planes, self.max_model_len)
-        kv_cache = DeviceKVCache(
-            c.num_hidden_layers,
-            num_blocks,
-            cc.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-            weight.dtype,
-            weight.device,
-        )
+        kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
         graphs = None

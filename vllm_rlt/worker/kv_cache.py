@@ -35,6 +35,21 @@ class DeviceKVCache:
             device=device,
         )
 
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> DeviceKVCache:
+        """A cache of `num_blocks` blocks for `model`'s layers and heads, on its device and in
+        its dtype."""
+        c, weight = model.config, model.lm_head.weight
+        return cls(
+            c.num_hidden_layers,
+            num_blocks,
+            block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            weight.dtype,
+            weight.device,
+        )
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s (k_cache, v_cache), each [num_blocks, block_size, Hkv, d]."""
         return self.kv[index, 0], self.kv[index, 1]

@@ -52,19 +52,6 @@ def measure_device_memory(
     return DeviceMemory(total, total - free, activation, graphs)
 
 
-def _scratch_cache(model: torch.nn.Module, num_blocks: int, block_size: int) -> DeviceKVCache:
-    c, weight = model.config, model.lm_head.weight
-    return DeviceKVCache(
-        c.num_hidden_layers,
-        num_blocks,
-        block_size,
-        c.num_key_value_heads,
-        c.head_dim,
-        weight.dtype,
-        weight.device,
-    )
-
-
 @torch.inference_mode()
 def activation_bytes(
     model: torch.nn.Module, num_rows: int, num_samples: int, block_size: int, tile_rows: int
@@ -78,7 +65,7 @@ def activation_bytes(
     context only."""
     device = model.lm_head.weight.device
     num_blocks = -(-num_rows // block_size)
-    kv = _scratch_cache(model, num_blocks, block_size)
+    kv = DeviceKVCache.for_model(model, num_blocks, block_size)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     used_before = _used(device)
@@ -116,7 +103,7 @@ def graph_bytes(
     temporaries go back to the pool for the next, smaller graph, its outputs stay."""
     device = model.lm_head.weight.device
     largest = max(specs)
-    kv = _scratch_cache(model, 1, block_size)  # padding rows use its scratch block only
+    kv = DeviceKVCache.for_model(model, 1, block_size)  # padding rows use its scratch block only
     torch.cuda.synchronize(device)
     used_before = _used(device)
     runner = CudaGraphRunner(model, kv, (largest,), max_context, tile_rows)

@@ -51,18 +51,8 @@ class PagedExecutor:
         cls, model: torch.nn.Module, num_blocks: int, block_size: int, layout: str = "last_exited"
     ) -> PagedExecutor:
         """An executor with its own KV cache sized in blocks, on the model's device and dtype."""
-        c = model.config
-        weight = model.lm_head.weight
-        manager = KVCacheManager(num_blocks, block_size, layout, c.num_loops)
-        cache = DeviceKVCache(
-            c.num_hidden_layers,
-            num_blocks,
-            block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-            weight.dtype,
-            weight.device,
-        )
+        manager = KVCacheManager(num_blocks, block_size, layout, model.config.num_loops)
+        cache = DeviceKVCache.for_model(model, num_blocks, block_size)
         return cls(model, manager, cache)
 
     def metadata(self, segments: Sequence[Segment]) -> AttentionMetadata:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from vllm_rlt.request import Request
+
 
 class RowKind(str, Enum):
     PREFILL = "prefill"
@@ -70,6 +72,24 @@ class NewRequestData:
     # output tokens fed back before it)
     num_sampled: int = 0
     resume_token: int | None = None
+
+    @classmethod
+    def of(cls, req: Request, ring_slots: int, chunk_size: int) -> NewRequestData:
+        """What the runner needs of `req` as it is admitted (or resumed)."""
+        params, outputs = req.sampling_params, req.output_token_ids
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=tuple(req.prefill_token_ids()),
+            ring_slots=ring_slots,
+            chunk_size=chunk_size,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=req.seed,
+            num_logprobs=-1 if params.logprobs is None else params.logprobs,
+            num_sampled=len(outputs),
+            resume_token=outputs[-1] if outputs else None,
+        )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ Two strategies share that machinery and differ in ring size and task order:
 
 from __future__ import annotations
 
+from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.core.kv_cache_manager import KVLayout
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
 from vllm_rlt.request import PrefillPiece, Request
 
@@ -222,3 +224,14 @@ class WavefrontPlanner(_ChunkedPlanner):
 
     def _entry_order(self, req_index: int, round_: int) -> tuple:
         return (1, round_, req_index, 0)
+
+
+def make_planner(
+    config: SchedulerConfig, layout: KVLayout | str, num_loops: int
+) -> SplitPlanner | WavefrontPlanner:
+    """The prefill planner of a scheduler with these settings (the engine sizes buffers from its
+    ring before the KV cache, and so the scheduler, exists)."""
+    # SHARED KV needs position waves: a position finishes every depth before the next one
+    chunk = 1 if KVLayout(layout) is KVLayout.SHARED else config.chunk_size
+    planner = WavefrontPlanner if config.wavefront_chunked_prefill else SplitPlanner
+    return planner(chunk, num_loops)

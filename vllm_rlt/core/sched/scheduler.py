@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 
 from vllm_rlt.config import SchedulerConfig
-from vllm_rlt.core.kv_cache_manager import KVCacheManager, KVLayout
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
@@ -43,20 +43,10 @@ from vllm_rlt.core.sched.execution_batch import (
     ScheduledRequest,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
-from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner
+from vllm_rlt.core.sched.kv_demand import kv_demand
+from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
-
-
-def make_planner(
-    config: SchedulerConfig, layout: KVLayout | str, num_loops: int
-) -> SplitPlanner | WavefrontPlanner:
-    """The prefill planner of a scheduler with these settings (the engine sizes buffers from its
-    ring before the KV cache, and so the scheduler, exists)."""
-    # SHARED KV needs position waves: a position finishes every depth before the next one
-    chunk = 1 if KVLayout(layout) is KVLayout.SHARED else config.chunk_size
-    planner = WavefrontPlanner if config.wavefront_chunked_prefill else SplitPlanner
-    return planner(chunk, num_loops)
 
 
 class Scheduler:
@@ -159,8 +149,10 @@ class Scheduler:
         return batch
 
     def _admit(self) -> dict[str, tuple[int, int]]:
-        """Move waiting requests to running while seats and free blocks for their first chunk
-        allow (a resumed request once its last sampled token is read back); returns their ids
+        """Move waiting requests to running while seats allow and the free blocks hold their
+        whole prefill (a request admitted on less would be preempted as its prefill grows, and
+        under refill scheduling its prefill would hold back the decode steps that would free the
+        blocks); a resumed request once its last sampled token is read back. Returns their ids
         with the positions they looked up in the prefix cache and found."""
         admitted = {}
         watermark = self.kv.num_total_blocks // 100
@@ -173,36 +165,21 @@ class Scheduler:
             # generated positions are never cached; the last position is always recomputed
             queried = min(req.num_prompt_tokens, req.prefill_len - 1)
             hit = self.kv.find_prefix(ids, queried)
-            first = min(hit.num_tokens + self.planner.chunk_size, req.prefill_len)
-            need = self.kv.blocks_for(hit.num_tokens) + -(-first // self.kv.block_size)
+            # its whole prefill and first decode position fit beside the cached prefix
+            writes = min(req.prefill_len + 1, req.max_positions)
+            need = self.kv.blocks_for(writes) - self.kv.blocks_for(hit.num_tokens)
             if need + watermark > self.kv.num_free_blocks:
                 break
             self.waiting.pop()
             self.kv.attach(req.request_id, hit)
-            if self.kv.enable_prefix_caching:
-                admitted[req.request_id] = (queried, hit.num_tokens)
-                self._count_prefix(queried, hit.num_tokens)
-            else:
-                admitted[req.request_id] = (0, 0)
+            queried *= self.kv.enable_prefix_caching
+            admitted[req.request_id] = (queried, hit.num_tokens)
+            self._count_prefix(queried, hit.num_tokens)
             req.num_prefilled_tokens = req.prefill_reclaimable_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            params = req.sampling_params
-            self._new.append(
-                NewRequestData(
-                    request_id=req.request_id,
-                    prompt_token_ids=tuple(ids),
-                    ring_slots=self.planner.ring_slots,
-                    chunk_size=self.planner.chunk_size,
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    seed=req.seed,
-                    num_logprobs=-1 if params.logprobs is None else params.logprobs,
-                    num_sampled=len(req.output_token_ids),
-                    resume_token=req.output_token_ids[-1] if req.output_token_ids else None,
-                )
-            )
+            planner = self.planner
+            self._new.append(NewRequestData.of(req, planner.ring_slots, planner.chunk_size))
         return admitted
 
     def _count_prefix(self, queried: int, found: int) -> None:
@@ -216,7 +193,7 @@ class Scheduler:
         tasks = decode_tasks + prefill_tasks
         loops = self._loop_count(decode_tasks, prefill_tasks)
         while True:
-            need = self._kv_needs(tasks, loops)
+            need = kv_demand(self.kv, tasks, loops, self._exits, self.num_loops)
             lacking = sum(self.kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
             if lacking <= self.kv.num_free_blocks:
                 break
@@ -232,22 +209,6 @@ class Scheduler:
         if len(tasks) < len(decode_tasks) + len(prefill_tasks):  # victims' work left the plan
             loops = min(loops, self._loop_count(*_split_kinds(tasks)))
         return tasks, loops
-
-    def _kv_needs(self, tasks, loops: int) -> dict[tuple[str, int], int]:
-        """(request, plane) -> the positions [0, end) the step writes there."""
-        need: dict[tuple[str, int], int] = {}
-
-        def write(req_id: str, depths, end: int) -> None:
-            for d in depths:
-                key = (req_id, self.kv.plane(d))
-                need[key] = max(need.get(key, 0), end)
-
-        for t in tasks:
-            last = min(self.num_loops, t.depth + loops)
-            write(t.request_id, range(t.depth, last), t.token_start + t.num_tokens)
-        for req_id, pos, depth in self._exits:
-            write(req_id, range(depth + 1, self.kv.num_planes), pos + 1)
-        return need
 
     def _victim_key(self, req: Request) -> tuple:
         """Larger = preempted first: the latest arrival (priority policy: the lowest priority,

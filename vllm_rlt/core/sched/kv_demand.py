@@ -1,0 +1,35 @@
+"""The KV blocks a step's plan writes (host side, no torch): what `Scheduler._place` allocates
+before the step runs, plane by plane."""
+
+from __future__ import annotations
+
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.execution_batch import ScheduledRequest
+
+
+def kv_demand(
+    kv: KVCacheManager,
+    tasks: list[ScheduledRequest],
+    loops: int,
+    exits: list[tuple[str, int, int]],
+    num_loops: int,
+) -> dict[tuple[str, int], int]:
+    """(request, plane) -> the positions [0, end) there that `loops` invocations of `tasks`
+    write (each task in the planes of the depths it runs), and the skipped planes that the
+    `exits` (request, position, last depth) copy into."""
+    need: dict[tuple[str, int], int] = {}
+
+    def write(req_id: str, depths: range, end: int) -> None:
+        for d in depths:
+            key = (req_id, kv.plane(d))
+            need[key] = max(need.get(key, 0), end)
+
+    for t in tasks:
+        write(
+            t.request_id,
+            range(t.depth, min(num_loops, t.depth + loops)),
+            t.token_start + t.num_tokens,
+        )
+    for req_id, pos, depth in exits:
+        write(req_id, range(depth + 1, kv.num_planes), pos + 1)
+    return need
