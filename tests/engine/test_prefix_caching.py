@@ -107,3 +107,19 @@ def test_caching_on_equals_caching_off(model_dir, strategy, mode, pressure):
         hits += eng.scheduler.prefix_hits
     assert hits > 0  # the cache was really used
     assert near_ties <= 1
+
+
+def test_shared_layout_caches_prompt_blocks_too(model_dir):
+    """Under SHARED a prompt position's KV after prefill is its last loop's (position waves), so
+    cached blocks hold what a prefill from position 0 leaves: same outputs, real hits."""
+    jobs = shared_prefix_jobs(7)
+    results, hits = {}, 0
+    for caching in (False, True):
+        eng = make_engine(
+            model_dir, block_size=BLOCK, kv_layout="shared", enable_prefix_caching=caching
+        )
+        results[caching] = run_batched(eng, jobs)
+        hits = eng.scheduler.prefix_hits
+        assert kv_all_free(eng)
+    assert hits > 0
+    assert compare(eng, jobs, results[True], results[False], "shared") <= 1
