@@ -18,7 +18,12 @@ the GPU busy fraction and the device time of each invocation shape (`invocation_
 `--modes` picks the modes (default Atomic, Split, WCPB, each with the engine's defaults: WCPB's
 cap on prefill rows beside decode rows is half the budget); `wcpb-cap` adds WCPB whose
 invocations with decode rows take at most `--wcpb-cap` prefill rows
-(`max_prefill_rows_with_decode`; the budget turns the cap off).
+(`max_prefill_rows_with_decode`; the budget turns the cap off); `unchunked` is refill
+scheduling with one chunk = the budget. `--profiles` and `--inputs` pick the cells; the
+long-prompt mix of BENCHMARKS.md:
+
+    python -m benchmarks.wcpb_matrix --inputs long --profiles concurrent arrival \
+        --modes unchunked split wcpb --out-dir docs/benchmarks/long-prompts
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from vllm_rlt.worker.invocation_timer import InvocationTimer
 
 MODES = {
     "atomic": {"scheduling_mode": "refill"},
+    # the long-prompt mix's baseline: refill scheduling, one chunk = the whole budget
+    "unchunked": {"scheduling_mode": "refill"},
     "split": {"scheduling_mode": "mixed"},
     "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
     # an experiment beside the matrix's three modes: WCPB whose invocations with decode rows take
@@ -71,7 +78,8 @@ PROFILES = {
     "concurrent": {"profile": "concurrent", "concurrency": 8},
     "arrival": {"profile": "arrival", "concurrency": 4, "rate": 2.0},
 }
-INPUTS = {"fixed": [512], "variable": [256, 512, 768]}
+INPUTS = {"fixed": [512], "variable": [256, 512, 768], "long": [8192] + [512] * 9}
+CYCLED = {"long"}  # input mixes taken in order (every 10th prompt long), not drawn
 # (metric path, short name) reported per mode
 METRICS = [
     (("summary", "request_throughput"), "req/s"),
@@ -104,7 +112,7 @@ def cell_config(args, chunk: int, mode: str) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=chunk,
+        prefill_chunk_size=args.max_num_batched_tokens if mode == "unchunked" else chunk,
         exit_threshold=1.0,
         kv_cache_memory_gb=args.kv_cache_gb,
         **mode_settings(mode, args.wcpb_cap),
@@ -118,8 +126,9 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def cells(chunks: list[int]) -> list[tuple[int, str, str]]:
-    return list(itertools.product(chunks, PROFILES, INPUTS))
+def cells(chunks: list[int], profiles=tuple(PROFILES), inputs=("fixed", "variable")):
+    """(chunk, profile, input mix) of every cell, in `--cells` order."""
+    return list(itertools.product(chunks, profiles, inputs))
 
 
 def run_one(
@@ -142,6 +151,7 @@ def run_one(
     wl = build_workload(
         p["profile"], args.num_requests, lens, args.output_len, vocab,
         concurrency=p["concurrency"], rate=p.get("rate", 2.0), seed=args.seed + repeat,
+        cycle=inputs in CYCLED,
     )  # fmt: skip
 
     async def go():
@@ -186,7 +196,8 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def _ratios(w: dict[str, float], s: dict[str, float]) -> dict[str, float]:
-    """A wavefront mode's medians `w` over Split's `s`, and the invocation bound."""
+    """A wavefront mode's medians `w` over a baseline's `s` (Split, or unchunked), and the
+    invocation bound."""
     return {
         "req/s": w["req/s"] / s["req/s"],
         "TTFT p50": w["TTFT p50 s"] / s["TTFT p50 s"],
@@ -220,6 +231,8 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
         for mode in ("wcpb", "wcpb-cap"):
             if "split" in m and mode in m:
                 cell[f"{mode}_over_split"] = _ratios(med[mode], med["split"])
+            if "unchunked" in m and mode in m:  # the long-prompt mix's targets
+                cell[f"{mode}_over_unchunked"] = _ratios(med[mode], med["unchunked"])
         rows.append(cell)
     return rows
 
@@ -255,9 +268,11 @@ def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
             cols = [_spread_text(vals.get(name)) for name in names]
             lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
         for mode, title in (("wcpb", "WCPB"), ("wcpb-cap", "WCPB with the cap")):
-            if f"{mode}_over_split" in cell:
-                ratios = ", ".join(f"{k} {v:.3f}" for k, v in cell[f"{mode}_over_split"].items())
-                lines += ["", f"{title} / Split: {ratios}"]
+            for base, base_title in (("split", "Split"), ("unchunked", "unchunked")):
+                if f"{mode}_over_{base}" in cell:
+                    ratios = cell[f"{mode}_over_{base}"].items()
+                    text = ", ".join(f"{k} {v:.3f}" for k, v in ratios)
+                    lines += ["", f"{title} / {base_title}: {text}"]
         lines.append("")
     return "\n".join(lines)
 
@@ -318,6 +333,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(DEFAULT_MODES))
+    p.add_argument("--profiles", nargs="+", choices=list(PROFILES), default=list(PROFILES))
+    p.add_argument(
+        "--inputs", nargs="+", choices=list(INPUTS), default=["fixed", "variable"],
+        help="input mixes; long: every 10th prompt 8,192 tokens, the others 512 (BENCHMARKS.md's "
+        "long-prompt mix, with --modes unchunked split wcpb)",
+    )  # fmt: skip
     p.add_argument("--wcpb-cap", type=int, default=256, help="prefill rows beside decode rows")
     add_async_scheduling_flag(p)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, few requests")
@@ -327,7 +348,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.shape, args.dtype, args.attention_backend = "tiny", "float32", "torch"
         args.num_requests, args.output_len, args.kv_cache_gb = 3, 3, 0.05
         smoke = {
-            "inputs": {"fixed": [40], "variable": [20, 40, 60]},
+            "inputs": {"fixed": [40], "variable": [20, 40, 60], "long": [120] + [20] * 9},
             "profiles": {"arrival": {"rate": 50.0}},
         }
     out_dir = Path(args.out_dir)
@@ -337,7 +358,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             write_shape(args.shape, tmp), dtype=args.dtype, load_format="dummy",
             attention_backend=args.attention_backend, layer_kernels=args.layer_kernels,
         )  # fmt: skip
-    todo = cells(args.chunks)
+    todo = cells(args.chunks, args.profiles, args.inputs)
     if args.cells is not None:
         todo = [todo[i] for i in args.cells]
     meta = {

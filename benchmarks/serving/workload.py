@@ -37,14 +37,19 @@ def build_workload(
     concurrency: int = 8,
     rate: float = 2.0,
     seed: int = 0,
+    cycle: bool = False,
 ) -> Workload:
-    """`input_lens`: one length (fixed) or several (uniform mix). `rate`: requests per second
+    """`input_lens`: one length (fixed) or several (uniform mix; `cycle`: request i gets
+    `input_lens[i % len(input_lens)]`, e.g. every 10th prompt long). `rate`: requests per second
     for the arrival profile (exponential gaps); other profiles send everything at t=0 and let
     the concurrency cap pace them."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
     rng = np.random.default_rng(seed)
-    lens = rng.choice(np.asarray(input_lens), size=num_requests)
+    if cycle:
+        lens = np.resize(np.asarray(input_lens), num_requests)
+    else:
+        lens = rng.choice(np.asarray(input_lens), size=num_requests)
     if profile == "arrival":
         arrivals = np.cumsum(rng.exponential(1.0 / rate, size=num_requests))
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
@@ -192,3 +193,26 @@ def test_wcpb_matrix_runs_the_capped_wcpb_experiment(tmp_path):
     assert "wcpb_over_split" not in summary[0]
     assert summary[0]["wcpb-cap_over_split"]["invocation bound"] > 1
     assert "WCPB with the cap / Split" in (tmp_path / "README.md").read_text()
+
+
+def test_wcpb_matrix_long_prompt_mix_against_unchunked(tmp_path):
+    """The long-prompt mix: every 10th prompt long (taken in order, not drawn); unchunked is
+    refill scheduling with one chunk = the budget; WCPB's ratios over it are reported."""
+    from benchmarks.wcpb_matrix import cell_config
+    from benchmarks.wcpb_matrix import main as matrix
+
+    wl = build_workload("concurrent", 20, [8192] + [512] * 9, 4, 100, cycle=True)
+    assert [len(r.prompt_token_ids) for r in wl.requests][:11] == [8192] + [512] * 9 + [8192]
+    args = argparse.Namespace(
+        async_scheduling=True, max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_gb=1.0,
+        wcpb_cap=256,
+    )  # fmt: skip
+    assert cell_config(args, 32, "unchunked").scheduler.chunk_size == 1024
+    assert cell_config(args, 32, "unchunked").scheduler.scheduling_mode == "refill"
+    argv = ["--smoke", "--out-dir", str(tmp_path), "--chunks", "8", "--repeats", "1"]
+    argv += ["--inputs", "long", "--profiles", "concurrent", "--modes", "unchunked", "wcpb"]
+    summary = matrix(argv)
+    assert [(c["profile"], c["inputs"]) for c in summary] == [("concurrent", "long")]
+    assert set(summary[0]["modes"]) == {"unchunked", "wcpb"}
+    assert "req/s" in summary[0]["wcpb_over_unchunked"]
+    assert "WCPB / unchunked" in (tmp_path / "README.md").read_text()
