@@ -180,9 +180,11 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
         model_dir,
         wavefront_chunked_prefill=True,
         prefill_chunk_size=4,
-        max_num_batched_tokens=41,  # one decode row + room for ~2.5 requests' rings (16 rows)
+        # one decode row, two requests' whole prompts (5 chunks each; the ring has 11 slots) and
+        # the first chunk of a third: it enters cut, so its chunks run at two depths at once
+        max_num_batched_tokens=45,
         max_num_seqs=4,
-        max_prefill_rows_with_decode=41,  # no cap: the planner's own selection
+        max_prefill_rows_with_decode=45,  # no cap: the planner's own selection
     )
     eng.add_request("d", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True))
     while eng.scheduler.requests["d"].in_prefill:
@@ -210,7 +212,7 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
         for t in prefill:
             per_req.setdefault(t.request_id, set()).add(t.depth)
         saw_chunks |= any(len(d) > 1 for d in per_req.values())
-        assert batch.num_rows <= 41
+        assert batch.num_rows <= 45
         launched = eng.runner.execute(batch)
         eng.scheduler.advance(batch, launched.decode_gate_logits)
         eng.scheduler.apply_tokens(batch, launched.read_tokens())
@@ -219,18 +221,23 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
     assert saw_chunks, "no invocation held two depths of one request"
 
 
-def test_wavefront_ring_allows_d_resident_chunks(model_dir):
+@pytest.mark.parametrize("budget,slots", [(12, D), (64, 64 // 3)])
+def test_wavefront_ring_is_sized_from_the_budget(model_dir, budget, slots):
+    """D slots at least (a chunk per depth), more when the budget holds more chunks: a long
+    prompt can then fill an invocation with its own chunks."""
     eng = engine(
-        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=3, max_num_batched_tokens=64
-    )
-    eng.add_request("a", list(range(40)), SamplingParams(max_tokens=1))
+        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=3,
+        max_num_batched_tokens=budget,
+    )  # fmt: skip
+    eng.add_request("a", list(range(40)), SamplingParams(max_tokens=1))  # 14 chunks
     peak = 0
     while eng.has_unfinished_requests():
         eng.step()
         for req in eng.scheduler.running:
             peak = max(peak, eng.scheduler.planner.resident_chunks(req))
-    assert peak == D  # the ring fills, and never overflows (invariants check the bound)
-    assert eng.runner.states.ring_rows == D * 3
+    assert eng.scheduler.planner.ring_slots == slots
+    assert peak == min(slots, 14)  # the ring fills, and never overflows (invariants check it)
+    assert eng.runner.states.ring_rows == slots * 3
 
 
 def test_startup_rejects_wavefront_with_shared_kv_and_atomic_models(model_dir, monkeypatch):

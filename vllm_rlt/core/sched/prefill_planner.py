@@ -14,7 +14,8 @@ Two strategies share that machinery and differ in ring size and task order:
 - `SplitPlanner` (one ring slot): requests in queue order, each one's resident pieces oldest
   first, then its new positions. With no reason to yield the scheduler runs the batch through
   all remaining depths (atomic), else one depth per step (split).
-- `WavefrontPlanner` (ring of D slots, WCPB): ready tasks of all requests, deepest first (a
+- `WavefrontPlanner` (WCPB; a ring of max(D, budget // chunk) slots, so that one long prompt
+  can fill an invocation with its own chunks): ready tasks of all requests, deepest first (a
   deeper task finishes a chunk sooner, which frees a ring slot and brings the first token
   closer), ties by queue order then position; new positions enter depth 0 last, one chunk per
   request per round, rounds in queue order: requests share the rows left for new chunks, so
@@ -49,11 +50,11 @@ class _ChunkedPlanner:
         raise NotImplementedError
 
     def expected_segments(self, max_num_seqs: int) -> int:
-        """Segments an invocation holds at most in the usual case: per running request its decode
-        row, or its resident prefill chunks and one piece the token budget cut (the runner's
-        CUDA graphs are sized for this many; an invocation with more runs in a larger graph or
-        eagerly)."""
-        return max_num_seqs * (self.ring_slots + 1)
+        """Segments an invocation holds in the usual case: per running request its decode row, or
+        a chunk per depth and one piece the token budget cut (the runner's CUDA graphs are
+        sized for this many; an invocation with more, such as one long prompt's many chunks,
+        runs in a larger graph or eagerly)."""
+        return max_num_seqs * (min(self.ring_slots, self.num_loops) + 1)
 
     def row_offset(self, token_start: int) -> int:
         """Row of `token_start` in its request's ring: slot * chunk_size + offset in the chunk."""
@@ -215,9 +216,11 @@ class SplitPlanner(_ChunkedPlanner):
 class WavefrontPlanner(_ChunkedPlanner):
     single_loop = True
 
-    def __init__(self, chunk_size: int, num_loops: int):
+    def __init__(self, chunk_size: int, num_loops: int, budget_chunks: int = 0):
+        """`budget_chunks`: chunks one invocation's row budget holds; the ring has that many
+        slots, and at least D (a chunk per depth)."""
         super().__init__(chunk_size, num_loops)
-        self.ring_slots = num_loops
+        self.ring_slots = max(num_loops, budget_chunks)
 
     def _order(self, req_index: int, piece: PrefillPiece) -> tuple:
         return (0, -piece.depth, req_index, piece.token_start)
@@ -233,5 +236,6 @@ def make_planner(
     ring before the KV cache, and so the scheduler, exists)."""
     # SHARED KV needs position waves: a position finishes every depth before the next one
     chunk = 1 if KVLayout(layout) is KVLayout.SHARED else config.chunk_size
-    planner = WavefrontPlanner if config.wavefront_chunked_prefill else SplitPlanner
-    return planner(chunk, num_loops)
+    if config.wavefront_chunked_prefill:
+        return WavefrontPlanner(chunk, num_loops, config.max_num_batched_tokens // chunk)
+    return SplitPlanner(chunk, num_loops)
