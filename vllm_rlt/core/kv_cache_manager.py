@@ -43,6 +43,7 @@ class PrefixHit:
 
     num_tokens: int  # positions the hit covers (whole blocks)
     blocks: tuple[tuple[int, ...], ...]
+    digests: tuple[bytes, ...] = ()  # the hash chain of those blocks
 
 
 class KVCacheManager:
@@ -63,7 +64,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, self.num_planes)
         self._tables: dict[str, list[list[int]]] = {}  # req_id -> per-plane block lists
-        self._cached_blocks: dict[str, int] = {}  # req_id -> its prompt blocks in the cache
+        # req_id -> the hash chain of its prompt blocks in the cache (extended as blocks finish)
+        self._chains: dict[str, list[bytes]] = {}
         self._changed: set[str] = set()  # requests whose tables grew since `take_changed`
         self._salt = f"{self.layout.value}:{num_loops}:{block_size}".encode()
 
@@ -117,7 +119,7 @@ class KVCacheManager:
     def free(self, req_id: str) -> None:
         """Release every block of `req_id` (no-op for an unknown id), last positions first so
         that they are evicted before the prefix other requests may share."""
-        self._cached_blocks.pop(req_id, None)
+        self._chains.pop(req_id, None)
         self._changed.discard(req_id)
         tables = self._tables.pop(req_id, [])
         longest = max((len(t) for t in tables), default=0)
@@ -135,13 +137,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return PrefixHit(0, ())
         planes: list[list[int]] = [[] for _ in range(self.num_planes)]
-        for digest in self._digests(token_ids, max_tokens // self.block_size):
+        chain: list[bytes] = []
+        for digest in self._digests(token_ids, chain, max_tokens // self.block_size):
             found = [self.pool.lookup((digest, p)) for p in range(self.num_planes)]
             if None in found:
                 break
+            chain.append(digest)
             for plane, block in zip(planes, found, strict=True):
                 plane.append(block)
-        return PrefixHit(len(planes[0]) * self.block_size, tuple(tuple(p) for p in planes))
+        num_tokens = len(chain) * self.block_size
+        return PrefixHit(num_tokens, tuple(tuple(p) for p in planes), tuple(chain))
 
     def attach(self, req_id: str, hit: PrefixHit) -> None:
         """Start `req_id`'s tables with the blocks of a prefix hit (one more reference each)."""
@@ -152,7 +157,7 @@ class KVCacheManager:
             for block in blocks:
                 self.pool.share(block, plane)
             table[plane].extend(blocks)
-        self._cached_blocks[req_id] = len(hit.blocks[0])
+        self._chains[req_id] = list(hit.digests)
         self._changed.add(req_id)
 
     def cache_prompt(self, req_id: str, token_ids: list[int], num_tokens: int) -> None:
@@ -160,21 +165,18 @@ class KVCacheManager:
         holds now (prompt positions only)."""
         if not self.enable_prefix_caching or req_id not in self._tables:
             return
-        done = self._cached_blocks.get(req_id, 0)
-        full = num_tokens // self.block_size
-        if full <= done:
-            return
+        chain = self._chains.setdefault(req_id, [])
         tables = self._tables[req_id]
-        for i, digest in enumerate(self._digests(token_ids, full)):
-            if i >= done:
-                for plane, table in enumerate(tables):
-                    self.pool.cache(table[i], (digest, plane))
-        self._cached_blocks[req_id] = full
+        for digest in self._digests(token_ids, chain, num_tokens // self.block_size):
+            for plane, table in enumerate(tables):
+                self.pool.cache(table[len(chain)], (digest, plane))
+            chain.append(digest)
 
-    def _digests(self, token_ids: list[int], num_blocks: int):
-        """The hash chain of the first `num_blocks` full blocks of `token_ids`."""
-        digest, size = self._salt, self.block_size
-        for i in range(min(num_blocks, len(token_ids) // size)):
+    def _digests(self, token_ids: list[int], chain: list[bytes], num_blocks: int):
+        """The hash chain of `token_ids`'s full blocks after the `len(chain)` in `chain`, up to
+        the first `num_blocks` (each digest covers its block and every block before it)."""
+        digest, size = (chain[-1] if chain else self._salt), self.block_size
+        for i in range(len(chain), min(num_blocks, len(token_ids) // size)):
             block = token_ids[i * size : (i + 1) * size]
             h = hashlib.blake2b(digest, digest_size=16)
             h.update(array("q", block).tobytes())
