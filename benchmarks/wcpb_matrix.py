@@ -285,11 +285,13 @@ def plot(cells_summary: list[dict], out_dir: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    shown = [m for m in MODES if any(m in c["modes"] for c in cells_summary)]
+    if not shown:  # only profiled rounds: no medians to plot
+        return
     labels = [f"c{c['chunk']}\n{c['profile'][:4]}\n{c['inputs'][:3]}" for c in cells_summary]
     for name, fname in (("req/s", "throughput.png"), ("TTFT p50 s", "ttft.png"),
                         ("ITL p99 s", "itl_p99.png")):  # fmt: skip
         fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 3.5))
-        shown = [m for m in MODES if any(m in c["modes"] for c in cells_summary)]
         width = 0.8 / len(shown)
         for k, mode in enumerate(shown):
             vals = [

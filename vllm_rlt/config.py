@@ -154,6 +154,17 @@ class SchedulerConfig:
         default=None,
     )
 
+    max_context_with_decode: int = _help(
+        "decode rows share invocations with prefill rows only while no prompt in prefill is "
+        "longer than this and no decoding request is past this position; otherwise decode "
+        "steps (all their loops) and one-loop prefill invocations of the whole budget alternate "
+        "(fixed-depth decoding only). A mixed invocation lasts as long as its longest-context "
+        "row; on the H200 a decode row riding beside prefill rows of more context than this "
+        "costs more than a decode invocation of its own (0: always apart; max_model_len or "
+        "more: never)",
+        default=2048,
+    )
+
     def __post_init__(self) -> None:
         _check_types(self)
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -173,6 +184,8 @@ class SchedulerConfig:
         _check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
         cap = self.max_prefill_rows_with_decode
         _check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
+        apart = self.max_context_with_decode
+        _check(apart >= 0, "max_context_with_decode", apart, ">= 0")
 
     @property
     def prefill_rows_with_decode(self) -> int | None:

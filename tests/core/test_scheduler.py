@@ -293,3 +293,48 @@ def test_wavefront_new_chunks_enter_one_per_request_per_round():
     # next invocation: the entered pieces one depth deeper first, then the rounds go on
     batch = step(s)
     assert [t.depth for t in batch.requests][:7] == [1] * 7
+
+
+@pytest.mark.parametrize("wavefront", [True, False])
+def test_rule7_decode_and_long_prefill_take_turns(wavefront):
+    """Past `max_context_with_decode` decode steps (every loop, decode rows only) and prefill
+    batches of the whole budget alternate; below it decode rows ride prefill batches."""
+    s = scheduler(
+        max_num_seqs=3, max_num_batched_tokens=16, prefill_chunk_size=8,
+        wavefront_chunked_prefill=wavefront, max_context_with_decode=40,
+    )  # fmt: skip
+    s.add_request(request("a", 8, max_tokens=30))
+    while s.requests["a"].ready_loops is None:
+        step(s)  # a's prompt
+    s.add_request(request("short", 40, max_tokens=30))  # not past the limit: it rides with a's decode rows
+    kinds = {t.kind for t in step(s).requests}
+    assert kinds == {RowKind.DECODE, RowKind.PREFILL}
+    while s.requests["short"].in_prefill:
+        step(s)
+    s.add_request(request("long", 200))
+    batches = [step(s) for _ in range(10)]
+    for batch in batches:
+        kinds = {t.kind for t in batch.requests}
+        assert len(kinds) == 1
+        if RowKind.DECODE in kinds:
+            assert batch.loop_count == D and all(t.depth == 0 for t in batch.requests)
+        elif wavefront:  # one loop over the whole budget
+            assert batch.loop_count == 1 and batch.num_rows == 16
+        else:  # Split: one chunk (one ring slot) through its depths
+            assert batch.loop_count == D - batch.requests[0].depth and batch.num_rows == 8
+    turns = ["decode" if b.requests[0].kind is RowKind.DECODE else "prefill" for b in batches]
+    assert turns == ["decode", "prefill"] * 5
+
+
+def test_rule7_leaves_decode_with_exit_gates_riding():
+    """Tokens that read their gate may exit at any loop: no decode step can run them to their
+    exit at once, so they keep riding the prefill batches one loop at a time."""
+    s = scheduler(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8,
+                  max_context_with_decode=0)  # fmt: skip
+    s.add_request(request("a", 8, max_tokens=30, threshold=0.5))
+    while s.requests["a"].ready_loops is None:
+        step(s)
+    s.add_request(request("b", 64))
+    batch = step(s)
+    assert {t.kind for t in batch.requests} == {RowKind.DECODE, RowKind.PREFILL}
+    assert batch.loop_count == 1

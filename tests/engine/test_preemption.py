@@ -57,6 +57,7 @@ def workload(seed: int):
         "enable_prefix_caching": rng.random() < 0.5,
         "queue_policy": rng.choice(["fcfs", "priority"]),
         "async_scheduling": rng.random() < 0.7,
+        "max_context_with_decode": rng.choice([0, 12, 2048]),  # R7: always, past 12, never
     }
     return jobs, settings
 

@@ -52,6 +52,8 @@ def workload(seed: int):
         "prefill_chunk_size": rng.randint(1, 64),
         "max_num_batched_tokens": rng.randint(1, 8),
         "max_num_seqs": rng.randint(1, 8),
+        # decode apart from prefill (R7) always, past 24 positions, or never at these lengths
+        "max_context_with_decode": rng.choice([0, 24, 2048]),
     }
     return jobs, settings
 

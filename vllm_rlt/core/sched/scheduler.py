@@ -16,9 +16,9 @@ been. A request admitted in this step that does not fit goes back unannounced.
 
 `loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
-      unless it is decode-only, no request is in prefill and no row reads its gate: then it runs
-      until the first row's exit decision is due (fixed depth: through the remaining depths),
-      the same invocations with no scheduling decision between them;
+      unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
+      gate: then it runs until the first row's exit decision is due (fixed depth: through the
+      remaining depths), the same invocations with no scheduling decision between them;
   R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
   R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
       (its planes must be written first): one loop;
@@ -26,6 +26,10 @@ been. A request admitted in this step that does not fit goes back unannounced.
       arrivals are admitted within that many loops;
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
+  R7. decode apart from long prefill (`_apart`): while a prompt in prefill or a decoding
+      position is past `max_context_with_decode`, decode-only steps, which run to the first exit
+      decision (R1 even with prompts in prefill), and prefill-only batches of the whole budget
+      (R2-R6) take turns.
 Merely having waiting requests, or possible preemptions, does not split a batch.
 """
 
@@ -70,6 +74,8 @@ class Scheduler:
         self._finished: list[str] = []  # requests the runner forgets (ended or preempted)
         self._order: dict[str, int] = {}  # request -> arrival rank (ties of arrival_time)
         self._ranks = itertools.count()
+        self._apart_now = False  # R7 holds in this step
+        self._prefill_turn = False  # under R7: the next batch is prefill's
         self.num_preemptions = 0
         self.prefix_queries = 0  # positions looked up in the prefix cache at admission
         self.prefix_hits = 0  # positions found there
@@ -114,7 +120,11 @@ class Scheduler:
         admitted = self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
-        if self.config.scheduling_mode == "mixed":
+        self._apart_now = self.config.scheduling_mode == "mixed" and self._apart()
+        if self._apart_now:
+            tasks, loops = self._take_turn(budget, samples, admitted)
+        elif self.config.scheduling_mode == "mixed":
+            self._prefill_turn = False
             decode_tasks, samples = self._decode_work(budget)
             prefill_budget = budget - len(decode_tasks)
             cap = self.config.prefill_rows_with_decode
@@ -235,15 +245,52 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.push_front(req)
 
-    def _decode_work(self, budget: int) -> tuple[list[ScheduledRequest], list[str]]:
-        """One row per decoding request (the newest token at its next depth), and the requests
-        whose next token is sampled now; no_refill holds samples until the cohort has exited.
-        A request whose last token is sampled but not yet read back has no work left."""
-        decoding = [
+    def _apart(self) -> bool:
+        """R7: whether decode rows and prefill tasks run in separate batches now. A mixed
+        invocation lasts as long as its longest-context tile (prefill tiles of a long prompt, or
+        a decode row's tile, which mixed graphs do not split), so riding decode rows would pay
+        for the long context at every loop and long decode rows would hold up the prefill rows.
+        Only when every decoding token runs a fixed number of loops, so that a decode step can
+        run all of them at once."""
+        limit = self.config.max_context_with_decode
+        decoding = self._decoding()
+        prefilling = [r for r in self.running if r.in_prefill]
+        if not decoding or not prefilling:
+            return False
+        if any(self.exit_policy.fixed_loops(r.exit) is None for r in decoding):
+            return False
+        return any(r.prefill_len > limit for r in prefilling) or any(
+            r.num_tokens > limit for r in decoding
+        )
+
+    def _take_turn(self, budget: int, samples: list[str], admitted: dict):
+        """R7's batch: prefill's turn takes the whole budget, decode's runs every decoding token
+        to its exit; a turn with no work passes to the other."""
+        if self._prefill_turn:
+            self._prefill_turn = False
+            prefill_tasks = self._plan_prefill(budget)
+            if prefill_tasks:
+                return self._place([], prefill_tasks, samples, admitted)
+        decode_tasks, sampled = self._decode_work(budget)
+        samples += sampled
+        if decode_tasks:
+            self._prefill_turn = True
+            return self._place(decode_tasks, [], samples, admitted)
+        return self._place([], self._plan_prefill(budget), samples, admitted)
+
+    def _decoding(self) -> list[Request]:
+        """Running requests past their prefill with a token in flight or ready to sample."""
+        return [
             r
             for r in self.running
             if not r.in_prefill and (r.decode is not None or r.ready_loops is not None)
         ]
+
+    def _decode_work(self, budget: int) -> tuple[list[ScheduledRequest], list[str]]:
+        """One row per decoding request (the newest token at its next depth), and the requests
+        whose next token is sampled now; no_refill holds samples until the cohort has exited.
+        A request whose last token is sampled but not yet read back has no work left."""
+        decoding = self._decoding()
         ready = [r for r in decoding if r.ready_loops is not None]
         cohort_done = len(ready) == len(decoding)
         hold_all = self.config.scheduling_mode == "no_refill" and not cohort_done
@@ -309,7 +356,7 @@ class Scheduler:
         return loops
 
     def _decode_loops(self, decode_tasks, prefill_tasks) -> int:
-        if prefill_tasks or any(r.in_prefill for r in self.running):
+        if prefill_tasks or not self._apart_now and any(r.in_prefill for r in self.running):
             return 1
         return min(
             self.exit_policy.loops_to_decision(req.decode, req.exit)
