@@ -48,7 +48,7 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
     for i, n in enumerate(prompt_lens):
         exits = ExitSettings(1, DEPTH, 1.0)
         sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
-    tile_rows = tile_rows_for(config.chunk_size)  # the engine's
+    tile_rows = tile_rows_for(sched.planner.task_rows)  # the engine's
     specs = graph_specs(
         args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments, tile_rows
     )

@@ -11,6 +11,7 @@ from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
+from vllm_rlt.core.sched.prefill_planner import WavefrontPlanner
 from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.request import ExitSettings, PrefillPiece, Request
 from vllm_rlt.sampling_params import SamplingParams
@@ -279,7 +280,8 @@ def test_phase_hold_lets_exited_tokens_start_with_a_first_token():
 def test_wavefront_new_chunks_enter_one_per_request_per_round():
     """With rows for fewer than every request's ring, WCPB's new chunks enter round-robin, in
     queue order: each running request gets a chunk before any gets another, so requests admitted
-    together progress together (the last entry is cut by the budget)."""
+    together progress together (the last entry is cut by the budget). A request's consecutive
+    chunks at one depth run as one task."""
     s = scheduler(
         max_num_seqs=4, max_num_batched_tokens=26, prefill_chunk_size=4,
         wavefront_chunked_prefill=True,
@@ -288,11 +290,10 @@ def test_wavefront_new_chunks_enter_one_per_request_per_round():
         s.add_request(request(f"r{i}", 16))
     batch = step(s)
     entered = [(t.request_id, t.token_start, t.num_tokens, t.depth) for t in batch.requests]
-    firsts = [(f"r{i}", 0, 4, 0) for i in range(4)]
-    assert entered == [*firsts, ("r0", 4, 4, 0), ("r1", 4, 4, 0), ("r2", 4, 2, 0)]
+    assert entered == [("r0", 0, 8, 0), ("r1", 0, 8, 0), ("r2", 0, 6, 0), ("r3", 0, 4, 0)]
     # next invocation: the entered pieces one depth deeper first, then the rounds go on
     batch = step(s)
-    assert [t.depth for t in batch.requests][:7] == [1] * 7
+    assert [t.depth for t in batch.requests][:4] == [1] * 4
 
 
 @pytest.mark.parametrize("wavefront", [True, False])
@@ -338,3 +339,18 @@ def test_rule7_leaves_decode_with_exit_gates_riding():
     batch = step(s)
     assert {t.kind for t in batch.requests} == {RowKind.DECODE, RowKind.PREFILL}
     assert batch.loop_count == 1
+
+
+def test_wavefront_merges_consecutive_chunks_only_where_the_ring_rows_follow():
+    """Pieces at one depth merge into one task when their positions and their ring rows follow
+    each other; across the ring's wrap (slot 3 -> slot 0) they stay two tasks."""
+    planner = WavefrontPlanner(chunk_size=4, num_loops=D)  # ring of D = 4 slots
+    req = request("r", 40)
+    req.prefill_reclaimable_tokens, req.num_prefilled_tokens = 12, 20
+    req.pieces = [PrefillPiece(12, 4, 1), PrefillPiece(16, 4, 1)]  # slots 3 and 0
+    tasks = planner.plan([req], budget=100)
+    spans = [(t.token_start, t.num_tokens, t.depth, t.prefill_hidden_row_offset) for t in tasks]
+    # chunks 5 and 6 enter at depth 0 in slots 1 and 2, which follow each other: one task
+    assert spans == [(12, 4, 1, 12), (16, 4, 1, 0), (20, 8, 0, 4)]
+    planner.advance(req, tasks, 1)
+    assert [(p.token_start, p.depth) for p in req.pieces] == [(12, 2), (16, 2), (20, 1), (24, 1)]

@@ -24,11 +24,11 @@ from vllm_rlt.worker.host_copy import to_device
 TILE_ROWS = 64
 
 
-def tile_rows_for(chunk_size: int) -> int:
-    """The engine's tile height for prefill chunks of at most `chunk_size` rows: TILE_ROWS, or the
-    chunk size rounded up to a power of two when smaller (a 64-row block computes padding beside
-    32-row chunks, docs/benchmarks/attention-merged.md)."""
-    return min(TILE_ROWS, 1 << (chunk_size - 1).bit_length())
+def tile_rows_for(task_rows: int) -> int:
+    """The engine's tile height for prefill tasks of at most `task_rows` rows: TILE_ROWS, or that
+    many rounded up to a power of two when smaller (a 64-row block computes padding beside
+    32-row tasks, docs/benchmarks/attention-merged.md)."""
+    return min(TILE_ROWS, 1 << (task_rows - 1).bit_length())
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ class LLMEngine:
         states = HiddenStateStore(
             sc.max_num_seqs, ring_rows, c.hidden_size, weight.dtype, weight.device
         )
-        tile_rows = tile_rows_for(sc.chunk_size)
+        tile_rows = tile_rows_for(planner.task_rows)
         specs = ()
         if not mc.enforce_eager and graphs_supported(self.model):
             segments = planner.expected_segments(sc.max_num_seqs)

@@ -26,6 +26,8 @@ Two strategies share that machinery and differ in ring size and task order:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVLayout
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
@@ -61,6 +63,12 @@ class _ChunkedPlanner:
         c = self.chunk_size
         return (token_start // c) % self.ring_slots * c + token_start % c
 
+    @property
+    def task_rows(self) -> int:
+        """Most rows one task holds: consecutive ready pieces of a request at one depth whose
+        ring rows follow each other run as one task (`_merged`), up to the whole ring."""
+        return self.ring_slots * self.chunk_size
+
     def resident_chunks(self, req: Request) -> int:
         """Chunks of `req` in its ring (entered and not yet finished)."""
         c = self.chunk_size
@@ -92,18 +100,17 @@ class _ChunkedPlanner:
                 tasks.append(self._task(req, p))
                 own.add(p.token_start)
                 budget -= p.num_tokens
-        return tasks
+        return _merged(tasks)
 
     def atomic_loops(self, req: Request, tasks: list[ScheduledRequest], loops: int) -> bool:
         """Whether `req`'s tasks can run `loops` invocations with no decision between them: every
         earlier piece left out of the batch must already be past the depths they will reach."""
-        scheduled = {t.token_start for t in tasks}
         for task in tasks:
             last = min(self.num_loops, task.depth + loops)
             for piece in req.pieces:
                 if piece.token_start >= task.token_start:
                     break
-                if piece.token_start not in scheduled and piece.depth < last:
+                if not _covers(tasks, piece) and piece.depth < last:
                     return False
         return True
 
@@ -123,13 +130,12 @@ class _ChunkedPlanner:
         """Apply `loops` invocations to `req`'s tasks and free finished chunks (in order).
         Returns whether the whole prefill has run, and the (position, 0-based last depth) of
         recomputed output positions that left early: their rows leave the piece."""
-        by_start = {p.token_start: p for p in req.pieces}
         exits = []
         for task in tasks:
-            piece = by_start[task.token_start]
-            piece.depth = min(self.num_loops, piece.depth + loops)
-            if piece.depth < self.num_loops and _end(task) > req.num_prompt_tokens:
-                exits += self._drop_exited(req, piece)
+            for piece in [p for p in req.pieces if _covers([task], p)]:
+                piece.depth = min(self.num_loops, piece.depth + loops)
+                if piece.depth < self.num_loops and _end(task) > req.num_prompt_tokens:
+                    exits += self._drop_exited(req, piece)
         while req.in_prefill:
             start = req.prefill_reclaimable_tokens
             end = min((start // self.chunk_size + 1) * self.chunk_size, req.prefill_len)
@@ -200,6 +206,33 @@ class _ChunkedPlanner:
 
 def _end(task: ScheduledRequest) -> int:
     return task.token_start + task.num_tokens
+
+
+def _covers(tasks: list[ScheduledRequest], piece: PrefillPiece) -> bool:
+    return any(t.token_start <= piece.token_start < _end(t) for t in tasks)
+
+
+def _merged(tasks: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """`tasks` with each run of one request's tasks at one depth that follow each other in
+    position and in its ring as one task (as in an atomic prefill, the rows of consecutive
+    chunks see each other through the plane's KV written in the same invocation); fewer,
+    taller segments stream the context fewer times. Groups keep their first task's place."""
+    groups: dict[tuple[str, int], list[ScheduledRequest]] = {}
+    for t in tasks:
+        groups.setdefault((t.request_id, t.depth), []).append(t)
+    out: list[ScheduledRequest] = []
+    for group in groups.values():
+        group.sort(key=lambda t: t.token_start)
+        run = [group[0]]
+        for t in group[1:]:
+            last = run[-1]
+            offset = last.prefill_hidden_row_offset + last.num_tokens
+            if t.token_start == _end(last) and t.prefill_hidden_row_offset == offset:
+                run[-1] = replace(last, num_tokens=last.num_tokens + t.num_tokens)
+            else:
+                run.append(t)
+        out += run
+    return out
 
 
 class SplitPlanner(_ChunkedPlanner):
