@@ -13,7 +13,8 @@ and versions are listed. The files are written after every run, so a call cut of
 limit keeps the runs it finished. On a GPU,
 `--busy-rounds` more interleaved rounds per cell run under the CUDA activity recorder and give
 the GPU busy fraction and the device time of each invocation shape (`invocation_ms` in
-`results.json`: `vllm_rlt.worker.invocation_timer`); they are kept out of the other medians
+`results.json`: `vllm_rlt.worker.invocation_timer`; `--timer-context` keys them by prefill rows
+and context too); they are kept out of the other medians
 (recording perturbs timing).
 `--modes` picks the modes (default Atomic, Split, WCPB, each with the engine's defaults: WCPB's
 cap on prefill rows beside decode rows is half the budget); `wcpb-cap` adds WCPB whose
@@ -161,7 +162,7 @@ def run_one(
             await run_inprocess(engine, warm, tag="warmup")
             before = engine.engine.stats.as_dict()
             if profiled:
-                timer = InvocationTimer(engine.engine.runner.device)
+                timer = InvocationTimer(engine.engine.runner.device, args.timer_context)
                 engine.engine.runner.timer = timer
             with gpu_activity() if profiled else contextlib.nullcontext({}) as gpu:
                 records, duration = await run_inprocess(engine, wl)
@@ -328,6 +329,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--arrival-repeats", type=int, default=1)
     p.add_argument("--busy-rounds", type=int, default=1, help="profiled rounds per cell (GPU only)")
+    p.add_argument(
+        "--timer-context", action="store_true",
+        help="profiled rounds key invocations by rows and context as well "
+        "(`invocation_timer.detailed_shape`)",
+    )  # fmt: skip
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=8)

@@ -307,7 +307,7 @@ def test_rule7_decode_and_long_prefill_take_turns(wavefront):
     s.add_request(request("a", 8, max_tokens=30))
     while s.requests["a"].ready_loops is None:
         step(s)  # a's prompt
-    s.add_request(request("short", 40, max_tokens=30))  # not past the limit: it rides with a's decode rows
+    s.add_request(request("short", 40, max_tokens=30))  # not past the limit: it rides
     kinds = {t.kind for t in step(s).requests}
     assert kinds == {RowKind.DECODE, RowKind.PREFILL}
     while s.requests["short"].in_prefill:

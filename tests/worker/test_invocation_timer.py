@@ -12,7 +12,7 @@ import pytest
 from tests.engine.harness import make_engine, random_jobs, run_batched
 from tests.worker.test_cuda_graph import _force_static, _record
 from vllm_rlt.models.tiny import write_tiny_ouro
-from vllm_rlt.worker.invocation_timer import InvocationTimer, invocation_shape
+from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,24 @@ def test_the_runner_times_every_invocation_under_its_shape(model_dir, device, ba
     assert all(s["total_ms"] > 0 and s["mean_ms"] * s["count"] == pytest.approx(s["total_ms"])
                for s in timed.values())  # fmt: skip
     assert eng.runner.timer.summary() == timed  # read once, kept
+
+
+def test_detailed_shapes_add_rows_and_context(model_dir):
+    """`by_context`: the same invocations, keyed by bucket, decode rows, prefill rows and the
+    context classes of both kinds of rows."""
+    assert detailed_shape(7, 519, 576, 8192, 8200) == "b576 d7 p512 pc8K dc10K"
+    assert detailed_shape(0, 40, None, 33, 0) == "beager d0 p128 pc2K dc0K"
+    runs = {}
+    for by_context in (False, True):
+        eng = make_engine(model_dir, "cpu", "torch", wavefront_chunked_prefill=True,
+                          prefill_chunk_size=5, max_num_batched_tokens=13)  # fmt: skip
+        eng.runner.timer = InvocationTimer(eng.runner.device, by_context)
+        run_batched(eng, random_jobs(random.Random(2), 6, vocab=256, depth=4, max_prompt=20))
+        runs[by_context] = eng.runner.timer.summary()
+    assert sum(s["count"] for s in runs[True].values()) == sum(
+        s["count"] for s in runs[False].values()
+    )
+    for shape in runs[True]:
+        bucket, decode, prefill, pc, dc = shape.split()
+        assert bucket == "beager" and pc.endswith("K") and dc.endswith("K")
+        assert (int(decode[1:]) > 0) == (dc != "dc0K") and (int(prefill[1:]) > 0) == (pc != "pc0K")

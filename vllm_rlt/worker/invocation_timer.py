@@ -29,14 +29,28 @@ def invocation_shape(decode_rows: int, rows: int, bucket: int | None) -> str:
     return f"{invocation_kind(decode_rows, rows)} {'eager' if bucket is None else bucket}"
 
 
+def detailed_shape(
+    decode_rows: int, rows: int, bucket: int | None, prefill_end: int, decode_position: int
+) -> str:
+    """A finer key, for invocations whose cost depends on context: `b{bucket} d{decode rows}
+    p{prefill rows, rounded up to 128} pc{the last prefill position, rounded up to 2K}K
+    dc{the latest decode position, likewise}K` (a tile's KV stream grows with its context)."""
+    up = lambda n, step: -(-n // step) * step  # noqa: E731
+    return (
+        f"b{'eager' if bucket is None else bucket} d{decode_rows} p{up(rows - decode_rows, 128)} "
+        f"pc{up(prefill_end, 2048) // 1024}K dc{up(decode_position, 2048) // 1024}K"
+    )
+
+
 class InvocationTimer:
     """Collects the time of each call timed with `time(shape)`. On CUDA: events recorded
     around the call on the current stream, read only by `summary` (no host synchronisation
     while the engine runs); a span includes the graph launch if the GPU was waiting for it.
     Elsewhere the host's clock: CPU calls run synchronously."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, by_context: bool = False) -> None:
         self.cuda = device.type == "cuda"
+        self.by_context = by_context  # the runner keys calls by `detailed_shape`
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._ms: dict[str, list[float]] = defaultdict(list)
 

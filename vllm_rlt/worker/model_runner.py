@@ -28,7 +28,7 @@ from vllm_rlt.core.sched.execution_batch import (
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.host_copy import read_back, to_device
-from vllm_rlt.worker.invocation_timer import InvocationTimer, invocation_shape
+from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
 
@@ -213,9 +213,15 @@ class ModelRunner:
         a `timer` is attached."""
         if self.timer is None:
             return contextlib.nullcontext()
-        decode_rows = sum(t.num_tokens for t in live if t.kind is RowKind.DECODE)
+        decode = [t for t in live if t.kind is RowKind.DECODE]
+        decode_rows = sum(t.num_tokens for t in decode)
         bucket = None if static is None else static.spec.num_rows
-        return self.timer.time(invocation_shape(decode_rows, rows, bucket))
+        if not self.timer.by_context:
+            return self.timer.time(invocation_shape(decode_rows, rows, bucket))
+        ends = [t.token_start + t.num_tokens for t in live if t.kind is RowKind.PREFILL]
+        prefill_end = max(ends, default=0)
+        position = max((t.token_start for t in decode), default=0)
+        return self.timer.time(detailed_shape(decode_rows, rows, bucket, prefill_end, position))
 
     def _core_inputs(self, starts, counts, tables, rows: list[np.ndarray]):
         """Metadata and gathered input rows of an invocation: in the graph runner's static
