@@ -136,7 +136,7 @@ def test_sampling_is_seeded_and_batch_invariant(model_dir):
 @pytest.mark.parametrize("wavefront", [False, True])
 def test_phase_hold_changes_no_result(model_dir, wavefront):
     """Fixed-depth requests arriving at different steps get out of phase, so the scheduler holds
-    exited tokens (`Scheduler._phase_hold`); results still equal serial generation."""
+    exited tokens (`DecodePlanner.phase_hold`); results still equal serial generation."""
     rng = random.Random(7)
     jobs = []
     for i in range(6):
@@ -154,14 +154,14 @@ def test_phase_hold_changes_no_result(model_dir, wavefront):
         wavefront_chunked_prefill=wavefront,
     )  # fmt: skip
     sched, holds = eng.scheduler, []
-    phase_hold = sched._phase_hold
+    phase_hold = sched.decode.phase_hold
 
     def counting(decoding, ready):
         held = phase_hold(decoding, ready)
         holds.extend(r.request_id for r in ready if held and not r.is_last_sample)
         return held
 
-    sched._phase_hold = counting
+    sched.decode.phase_hold = counting
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "last_exited") == 0
     assert kv_all_free(eng)

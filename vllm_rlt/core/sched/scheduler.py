@@ -39,6 +39,7 @@ import itertools
 
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.decode_planner import DecodePlanner
 from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
@@ -66,6 +67,7 @@ class Scheduler:
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.planner = make_planner(config, kv_manager.layout, num_loops)
+        self.decode = DecodePlanner(config.scheduling_mode, exit_policy)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -125,7 +127,7 @@ class Scheduler:
             tasks, loops = self._take_turn(budget, samples, admitted)
         elif self.config.scheduling_mode == "mixed":
             self._prefill_turn = False
-            decode_tasks, samples = self._decode_work(budget)
+            decode_tasks, samples = self.decode.plan(self.running, budget)
             prefill_budget = budget - len(decode_tasks)
             cap = self.config.prefill_rows_with_decode
             if decode_tasks and cap is not None:
@@ -136,7 +138,7 @@ class Scheduler:
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
-                decode_tasks, samples = self._decode_work(budget)
+                decode_tasks, samples = self.decode.plan(self.running, budget)
                 tasks, loops = self._place(decode_tasks, [], samples, admitted)
         new = tuple(self._new)
         changed = [r for r in self.kv.take_changed() if r in self.requests]
@@ -253,11 +255,9 @@ class Scheduler:
         Only when every decoding token runs a fixed number of loops, so that a decode step can
         run all of them at once."""
         limit = self.config.max_context_with_decode
-        decoding = self._decoding()
+        decoding = self.decode.decoding(self.running)
         prefilling = [r for r in self.running if r.in_prefill]
-        if not decoding or not prefilling:
-            return False
-        if any(self.exit_policy.fixed_loops(r.exit) is None for r in decoding):
+        if not decoding or not prefilling or not self.decode.fixed_loops(decoding):
             return False
         return any(r.prefill_len > limit for r in prefilling) or any(
             r.num_tokens > limit for r in decoding
@@ -271,68 +271,12 @@ class Scheduler:
             prefill_tasks = self._plan_prefill(budget)
             if prefill_tasks:
                 return self._place([], prefill_tasks, samples, admitted)
-        decode_tasks, sampled = self._decode_work(budget)
+        decode_tasks, sampled = self.decode.plan(self.running, budget)
         samples += sampled
         if decode_tasks:
             self._prefill_turn = True
             return self._place(decode_tasks, [], samples, admitted)
         return self._place([], self._plan_prefill(budget), samples, admitted)
-
-    def _decoding(self) -> list[Request]:
-        """Running requests past their prefill with a token in flight or ready to sample."""
-        return [
-            r
-            for r in self.running
-            if not r.in_prefill and (r.decode is not None or r.ready_loops is not None)
-        ]
-
-    def _decode_work(self, budget: int) -> tuple[list[ScheduledRequest], list[str]]:
-        """One row per decoding request (the newest token at its next depth), and the requests
-        whose next token is sampled now; no_refill holds samples until the cohort has exited.
-        A request whose last token is sampled but not yet read back has no work left."""
-        decoding = self._decoding()
-        ready = [r for r in decoding if r.ready_loops is not None]
-        cohort_done = len(ready) == len(decoding)
-        hold_all = self.config.scheduling_mode == "no_refill" and not cohort_done
-        hold_next = bool(ready) and not cohort_done and self._phase_hold(decoding, ready)
-        tasks, samples = [], []
-        for req in decoding:
-            if req.ready_loops is not None:
-                last = req.is_last_sample
-                if hold_all or not last and (hold_next or len(tasks) >= budget):
-                    continue
-                samples.append(req.request_id)
-                token = DecodeToken(position=req.num_tokens, index=req.num_sampled)
-                req.pending_exit_depths.append(req.ready_loops)
-                req.ready_loops = None
-                if last:
-                    continue
-                req.decode = token
-                self.exit_policy.start(req.decode, req.exit, req.request_id)
-            elif len(tasks) >= budget:
-                continue
-            tok = req.decode
-            reads_gate = self.exit_policy.reads_gate(tok, req.exit)
-            tasks.append(
-                ScheduledRequest(
-                    req.request_id, RowKind.DECODE, tok.position, 1, tok.loops_done,
-                    reads_gate=reads_gate,
-                )
-            )  # fmt: skip
-        return tasks, samples
-
-    def _phase_hold(self, decoding: list[Request], ready: list[Request]) -> bool:
-        """Phase hold: whether the `ready` requests (their tokens exited) wait for the others'
-        tokens to exit, so that all next tokens start together. Then decode-only steps run all
-        their loops in one step (R1) with one sampling pass, instead of one step per phase.
-        Only when every decoding token runs the same fixed number of loops (a wait of at most
-        that many loops brings them in phase for good), and not when a first token is sampled
-        now: that one starts at once (the hold must not delay a time to first token), and the
-        ready requests start with it."""
-        cycles = {self.exit_policy.fixed_loops(r.exit) for r in decoding}
-        if len(cycles) != 1 or None in cycles:
-            return False
-        return not any(r.num_sampled == 0 and not r.is_last_sample for r in ready)
 
     def _plan_prefill(self, budget: int) -> list[ScheduledRequest]:
         if budget <= 0:
