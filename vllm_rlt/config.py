@@ -14,11 +14,19 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 SCHEDULING_MODES = ("refill", "no_refill", "mixed")
 EXIT_MODES = ("ouro", "ouro_delayed", "trace")
-KV_LAYOUTS = ("last_exited", "shared")
+
+
+class KVLayout(str, Enum):
+    LAST_EXITED = "last_exited"  # one plane per depth; exits copy KV into skipped planes
+    SHARED = "shared"  # one plane, overwritten at every loop
+
+
+KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 QUEUE_POLICIES = ("fcfs", "priority")
 
 

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
+from vllm_rlt.config import KVLayout
 from vllm_rlt.core.block_pool import BlockPool
-from vllm_rlt.core.kv_cache_manager import KVCacheManager, KVCapacityError, KVLayout
+from vllm_rlt.core.kv_cache_manager import KVCacheManager, KVCapacityError
 
 
 def test_planes_grow_on_demand_one_at_a_time():

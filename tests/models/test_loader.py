@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import rel_err
 from vllm_rlt.models.loader import CheckpointError, load_model, read_config
-from vllm_rlt.models.ouro import UnsupportedConfigError
 from vllm_rlt.models.reference import DenseOuroReference
+from vllm_rlt.models.registry import UnsupportedConfigError
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.worker.paged_executor import PagedExecutor
 

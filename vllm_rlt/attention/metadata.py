@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_rlt.worker.host_copy import to_device
+from vllm_rlt.tensor_utils import to_device
 
 # most rows per attention tile in the engine (`tile_rows_for`): chunk rows share KV loads (64
 # measured best for 128-token chunks on the H200, docs/benchmarks/attention-microbench.md); decode

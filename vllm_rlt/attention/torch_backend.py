@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.models.layers import acc_dtype
+from vllm_rlt.tensor_utils import acc_dtype
 
 
 class TorchAttentionBackend:

@@ -18,14 +18,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass
-from enum import Enum
 
+from vllm_rlt.config import KVLayout
 from vllm_rlt.core.block_pool import BlockPool
-
-
-class KVLayout(str, Enum):
-    LAST_EXITED = "last_exited"  # one plane per depth; exits copy KV into skipped planes
-    SHARED = "shared"  # one plane, overwritten at every loop
 
 
 def num_planes_for(layout: KVLayout | str, num_loops: int) -> int:

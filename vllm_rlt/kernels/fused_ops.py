@@ -26,7 +26,7 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
-from vllm_rlt.models.layers import acc_dtype
+from vllm_rlt.tensor_utils import acc_dtype
 
 NO_FMA = {"enable_fp_fusion": False}  # round products before adds, as torch does
 # The interpreter truncates fp32 -> bf16 casts (GPUs round to nearest even): round by hand there.

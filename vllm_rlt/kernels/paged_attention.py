@@ -24,16 +24,19 @@ The KV write that precedes attention is in `kv_write.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits, split_policy
 from vllm_rlt.kernels.attention_tile import attend_tile
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
+
+if TYPE_CHECKING:  # the kernel reads the tables by name; attention builds them on top of it
+    from vllm_rlt.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype for statistics and accumulations: fp32, or the input's own if wider (fp64)."""
-    return torch.promote_types(dtype, torch.float32)
+from vllm_rlt.tensor_utils import acc_dtype
 
 
 class RMSNorm(nn.Module):

@@ -18,13 +18,10 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import ConfigError, check_field_types
+from vllm_rlt.config import check_field_types
 from vllm_rlt.models.layer_kernels import LAYER_KERNELS, LayerKernels, get_layer_kernels
 from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP
-
-
-class UnsupportedConfigError(ConfigError):
-    """A checkpoint configuration this engine cannot run faithfully."""
+from vllm_rlt.models.registry import UnsupportedConfigError
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_rlt.core.kv_cache_manager import KVLayout
-from vllm_rlt.models.layers import acc_dtype
+from vllm_rlt.config import KVLayout
 from vllm_rlt.models.ouro import OuroConfig
+from vllm_rlt.tensor_utils import acc_dtype
 
 
 @dataclass(frozen=True)

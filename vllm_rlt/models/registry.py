@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib
 
-from vllm_rlt.models.ouro import UnsupportedConfigError
+from vllm_rlt.config import ConfigError
 
 _MODELS = {
     "ouro": ("vllm_rlt.models.ouro", "OuroConfig", "OuroForCausalLM"),
 }
+
+
+class UnsupportedConfigError(ConfigError):
+    """A checkpoint configuration this engine cannot run faithfully."""
 
 
 def supported_model_types() -> list[str]:

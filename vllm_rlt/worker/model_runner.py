@@ -25,9 +25,9 @@ from vllm_rlt.core.sched.execution_batch import (
     SampledToken,
     StateSpan,
 )
+from vllm_rlt.tensor_utils import read_back, to_device
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
 from vllm_rlt.worker.hidden_state import HiddenStateStore
-from vllm_rlt.worker.host_copy import read_back, to_device
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample

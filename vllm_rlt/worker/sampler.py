@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS
-from vllm_rlt.worker.host_copy import to_device
+from vllm_rlt.tensor_utils import to_device
 
 _MASK31 = (1 << 31) - 1
 # Odd 31-bit multipliers: a 31-bit state times one stays below 2**62, inside int64.

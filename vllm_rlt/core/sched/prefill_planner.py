@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vllm_rlt.config import SchedulerConfig
-from vllm_rlt.core.kv_cache_manager import KVLayout
+from vllm_rlt.config import KVLayout, SchedulerConfig
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
 from vllm_rlt.request import PrefillPiece, Request
 

@@ -1,4 +1,5 @@
-"""Copies between host and device that do not stall the host longer than needed.
+"""Tensor helpers every layer may use (a leaf: imports torch and numpy only): the accumulation
+dtype, and copies between host and device that do not stall the host longer than needed.
 
 A plain `torch.tensor(values, device="cuda")` copies from pageable memory and synchronises the
 stream, so the host waits for every kernel queued before it and cannot prepare the next step
@@ -18,6 +19,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype for statistics and accumulations: fp32, or the input's own if wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""The package's layers: every module imports only its own layer and the layers below it.
+
+    leaf (config, sampling_params, request, outputs, tensor_utils)
+    kernels -> attention -> models            core (no torch: the scheduler and the KV manager)
+                              \\                /
+                               worker -> engine -> entrypoints
+
+Imports under `if TYPE_CHECKING:` name types for annotations only and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm_rlt
+
+PACKAGE = Path(vllm_rlt.__file__).parent
+LEAF = {"config", "sampling_params", "request", "outputs", "tensor_utils"}
+BELOW = {
+    "leaf": set(),
+    "kernels": {"leaf"},
+    "attention": {"leaf", "kernels"},
+    "models": {"leaf", "kernels", "attention"},
+    "core": {"leaf"},
+    "worker": {"leaf", "kernels", "attention", "models", "core"},
+    "engine": {"leaf", "kernels", "attention", "models", "core", "worker"},
+    "entrypoints": {"leaf", "kernels", "attention", "models", "core", "worker", "engine"},
+}
+# modules that must not need torch (or Triton) at run time
+TORCH_FREE = ("core", "config", "sampling_params", "request", "outputs")
+
+
+def layer(module: str) -> str | None:
+    """The layer of a `vllm_rlt.*` module name (None: the package itself)."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    return "leaf" if parts[1] in LEAF else parts[1]
+
+
+def runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in `path`, outside `if TYPE_CHECKING:` blocks."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        yield path, ".".join(rel.parts).removesuffix(".__init__")
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for path, name in modules():
+        own = layer(name)
+        if own is None:
+            continue
+        for line, imported in runtime_imports(path):
+            target = layer(imported) if imported.startswith("vllm_rlt.") else None
+            if target is not None and target != own and target not in BELOW[own]:
+                wrong.append(f"{name}:{line} ({own}) imports {imported} ({target})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_scheduler_side_imports_no_torch():
+    wrong = []
+    for path, name in modules():
+        if name.split(".")[1:2] and name.split(".")[1] in TORCH_FREE:
+            heavy = [m for _, m in runtime_imports(path) if m.split(".")[0] in ("torch", "triton")]
+            wrong += [f"{name} imports {m}" for m in heavy]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import vllm_rlt.core.sched.scheduler, vllm_rlt.core.kv_cache_manager",
+        "import vllm_rlt.models.registry",
+    ],
+)
+def test_imports_run_without_torch(statement):
+    """With torch and Triton unimportable, the scheduler side imports, and so does the model
+    registry, which imports a model's module only when that model is asked for."""
+    code = f"import sys; sys.modules['torch'] = sys.modules['triton'] = None; {statement}"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
