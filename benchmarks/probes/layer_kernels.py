@@ -20,7 +20,7 @@ reports:
 The weight floor is the bytes of the shared layers over the device-to-device copy bandwidth
 measured in the same run.
 
-    python -m benchmarks.layer_kernels --out docs/benchmarks/layer-kernels.json
+    python -m benchmarks.probes.layer_kernels --out layer-kernels.json
 """
 
 from __future__ import annotations

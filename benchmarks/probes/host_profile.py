@@ -11,7 +11,7 @@ cProfile gives the time the host spent waiting for the GPU (`synchronize` calls)
 functions with the most own time (cProfile slows Python code down, so its absolute times run
 high).
 
-    python -m benchmarks.host_profile --chunk 128 --inputs fixed --out host.json
+    python -m benchmarks.probes.host_profile --chunk 128 --inputs fixed --out host.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ triton.testing.do_bench (median; it clears the L2 before every call). Decode ban
 bytes the rows must read over the graph time. `--sweep` also times launch configs and split
 counts (the data behind the defaults in vllm_rlt/kernels/paged_attention.py).
 
-    python -m benchmarks.attention_bench --out attention.json [--sweep]
+    python -m benchmarks.probes.attention_bench --out attention.json [--sweep]
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ aligned to the KV step) against the automatic choice under a CUDA graph sized fo
 `meta.max_context` is the graph's); `--attention-configs` times decode launch configs at that
 automatic choice, or at the count another split policy would give (`--config-policies`).
 
-    python -m benchmarks.decode_sweep --out decode-sweep.json
-    python -m benchmarks.decode_sweep --skip-gemm --skip-attention --attention-configs --out c.json
+    python -m benchmarks.probes.decode_sweep --out decode-sweep.json
+    python -m benchmarks.probes.decode_sweep --skip-gemm --skip-attention --attention-configs \
+        --out c.json
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.attention_bench import Bench, _ceilings, _env, _kv_bytes, graph_us
 from benchmarks.model_shapes import OURO_1_4B
+from benchmarks.probes.attention_bench import Bench, _ceilings, _env, _kv_bytes, graph_us
 from benchmarks.provenance import commit, engine_digest
 from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, SPLITS, choose_num_splits
 from vllm_rlt.kernels.device_info import sm_count
