@@ -250,9 +250,9 @@ def prefix(loaded, args, s: dict) -> dict:
         "method": (
             "one request first, alone; once it has its first token (its prompt is then cached: "
             "a system prompt in use) the rest through a client that keeps max_num_seqs requests "
-            "in flight, each sent as one finishes (BENCHMARKS.md: a concurrency limit's wait is "
-            "not part of TTFT). The warm-up uses another system prompt. Throughput counts from "
-            "the first request's submission"
+            "in flight, each sent as one finishes (docs/benchmarks/README.md §2: a concurrency "
+            "limit's wait is not part of TTFT). The warm-up uses another system prompt. "
+            "Throughput counts from the first request's submission"
         ),
         "runs": runs,
         "ratios_on_over_off": ratios,

@@ -21,8 +21,8 @@ Two floors: the phases' floors added (each the larger of its compute and memory)
 whose prefill and decode run in separate invocations, and the larger of the whole run's compute
 and memory, for one that hides either completely under the other.
 
-    python -m benchmarks.roofline docs/benchmarks/wcpb-matrix/results.json
-    python -m benchmarks.roofline --offline docs/benchmarks/engine-offline-steps/12-*.json
+    python -m benchmarks.roofline docs/benchmarks/wcpb-matrix/serial-arrival/results.json
+    python -m benchmarks.roofline --offline docs/benchmarks/offline-throughput/run1.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from benchmarks.model_shapes import SHAPES
 from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import INPUTS, MODES, PROFILES
 
-# Measured on the H200 (docs/benchmarks/layer-kernels.json, attention-microbench.md)
+# Measured on the H200 (docs/benchmarks/README.md §4)
 COPY_GBPS = 4245.8
 MATMUL_TFLOPS = 796.0
 

@@ -6,7 +6,8 @@ piece of each request (and one decode lane per request), one column per invocati
 cell is a task, coloured by request and labelled with the depth it ran. A chunk that entered
 in several pieces (the budget cut its entry) gets one lane per piece.
 
-    python -m benchmarks.wavefront_trace --out docs/wcpb-wavefront --wavefront-chunked-prefill
+    python -m benchmarks.wavefront_trace --out docs/design/wcpb/wavefront-wcpb \
+        --wavefront-chunked-prefill
 """
 
 from __future__ import annotations

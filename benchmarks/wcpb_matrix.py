@@ -1,8 +1,8 @@
-"""The WCPB matrix of BENCHMARKS.md: Atomic vs Split vs WCPB over chunk sizes x arrival profiles
-x input-length mixes, the three modes of a cell interleaved (A B C A B C ...) on one set of
-weights, medians over repeats.
+"""The WCPB matrix (docs/benchmarks/wcpb-matrix.md): Atomic vs Split vs WCPB over chunk sizes
+x arrival profiles x input-length mixes, the three modes of a cell interleaved (A B C A B C ...)
+on one set of weights, medians over repeats.
 
-    python -m benchmarks.wcpb_matrix --out-dir docs/benchmarks/wcpb-matrix          # H200 run
+    python -m benchmarks.wcpb_matrix --out-dir matrix                                # H200 run
     python -m benchmarks.wcpb_matrix --smoke --out-dir /tmp/m                       # CPU check
 
 Writes `results.json` (every run), `summary.json` and `README.md` (tables with WCPB/Split
@@ -21,7 +21,7 @@ cap on prefill rows beside decode rows is half the budget); `wcpb-cap` adds WCPB
 invocations with decode rows take at most `--wcpb-cap` prefill rows
 (`max_prefill_rows_with_decode`; the budget turns the cap off); `unchunked` is refill
 scheduling with one chunk = the budget. `--profiles` and `--inputs` pick the cells; the
-long-prompt mix of BENCHMARKS.md:
+long-prompt mix (docs/benchmarks/long-prompts.md):
 
     python -m benchmarks.wcpb_matrix --inputs long --profiles concurrent arrival \
         --modes unchunked split wcpb --out-dir docs/benchmarks/long-prompts
@@ -62,7 +62,7 @@ MODES = {
     "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
     # an experiment beside the matrix's three modes: WCPB whose invocations with decode rows take
     # at most --wcpb-cap prefill rows instead of its default, half the budget (the ITL tail,
-    # docs/benchmarks/wcpb-matrix.md)
+    # docs/benchmarks/wcpb-matrix.md §4)
     "wcpb-cap": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
 }
 DEFAULT_MODES = ("atomic", "split", "wcpb")
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--profiles", nargs="+", choices=list(PROFILES), default=list(PROFILES))
     p.add_argument(
         "--inputs", nargs="+", choices=list(INPUTS), default=["fixed", "variable"],
-        help="input mixes; long: every 10th prompt 8,192 tokens, the others 512 (BENCHMARKS.md's "
+        help="input mixes; long: every 10th prompt 8,192 tokens, the others 512 (the "
         "long-prompt mix, with --modes unchunked split wcpb)",
     )  # fmt: skip
     p.add_argument("--wcpb-cap", type=int, default=256, help="prefill rows beside decode rows")

@@ -1,11 +1,11 @@
 """The tiny Ouro as a dense batched causal forward for training, and the Ouro objectives.
 
-Model: the Ouro architecture of docs MODELS.md §1.3 (sandwich RMSNorms with fp32 statistics,
+Model: the Ouro architecture of docs/models.md §1.3 (sandwich RMSNorms with fp32 statistics,
 split-half RoPE, SwiGLU, `model.norm` after every loop, the exit gate on the normed state), with
 parameters under the HF checkpoint names so the engine's loader reads the export. The test suite
 checks it against `DenseOuroReference` per loop.
 
-Objective (the Ouro paper's two stages, MODELS.md §1.5; my own implementation): with
+Objective (the Ouro paper's two stages, docs/models.md §1.5; my own implementation): with
 λ_t = σ(g_t), the exit distribution p_t = λ_t Π_{j<t}(1-λ_j) and p_D = Π_{j<D}(1-λ_j); stage 1
 minimises Σ_t p_t·L_t − β·H(p), stage 2 trains the gate alone with binary cross-entropy against
 "one more loop lowers the loss by less than a margin".

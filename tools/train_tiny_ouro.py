@@ -11,11 +11,11 @@ only used for the report. The tokenizer is a byte-level BPE trained on the train
 
 Shape (the defaults): one shared layer applied 4 times, hidden 384, vocab 8192 (8.2M
 parameters). With 2-4 layers per loop, one pass already reached what this small corpus supports
-and further loops did not lower held-out perplexity (docs/models/tiny-ouro-stdlib/README.md).
+and further loops did not lower held-out perplexity (docs/models.md §2).
 
 Model and objectives: `tools/looped_lm.py`.
 
-Training (the Ouro paper's two stages, MODELS.md §1.5; my own implementation):
+Training (the Ouro paper's two stages, docs/models.md §1.5; my own implementation):
 - Stage 1 (`--steps`): with λ_t = σ(g_t), the exit distribution p_t = λ_t Π_{j<t}(1-λ_j) and
   p_D = Π_{j<D}(1-λ_j); loss = mean over tokens of Σ_t p_t·L_t − β·H(p), L_t the next-token
   cross-entropy of loop t. The entropy term keeps the gate from collapsing onto one loop early.

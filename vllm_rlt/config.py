@@ -58,8 +58,7 @@ class ModelConfig:
     )
     layer_kernels: str = _help(
         "how a layer's projections and element-wise steps run: auto (skinny on CUDA, torch on "
-        "CPU), torch (the reference), fused or skinny (docs/benchmarks/"
-        "layer-kernels.md)",
+        "CPU), torch (the reference), fused or skinny (docs/design/runner.md §4)",
         default="auto",
     )
     seed: int = _help(
@@ -200,7 +199,7 @@ class SchedulerConfig:
         """The cap `max_prefill_rows_with_decode` puts in force (None: no cap). WCPB fills its
         invocations with ready tasks of every depth, so decode rows beside them would ride
         invocations up to the whole budget; half of it keeps their ITL tail at Split's
-        (docs/benchmarks/wcpb-matrix.md, "The decode-aware cap becomes WCPB's default")."""
+        (docs/benchmarks/wcpb-matrix.md §4)."""
         if self.max_prefill_rows_with_decode is not None:
             return self.max_prefill_rows_with_decode
         if self.wavefront_chunked_prefill:

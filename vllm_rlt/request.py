@@ -60,8 +60,8 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    # prefill progress (ARCHITECTURE.md §5); after a preemption the prefill recomputes the prompt
-    # and the positions of the first `resume_tokens` output tokens
+    # prefill progress (docs/design/architecture.md §5); after a preemption the prefill recomputes
+    # the prompt and the positions of the first `resume_tokens` output tokens
     resume_tokens: int = 0
     num_prefilled_tokens: int = 0  # frontier: prompt positions that entered prefill
     prefill_reclaimable_tokens: int = 0  # start of the oldest resident chunk

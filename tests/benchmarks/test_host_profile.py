@@ -1,10 +1,10 @@
-"""The host-time profile of a matrix cell (`benchmarks/host_profile.py`), on the tiny model."""
+"""The host-time profile of a matrix cell (`benchmarks/probes/host_profile.py`), tiny model."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks import host_profile
+from benchmarks.probes import host_profile
 
 
 def test_every_step_is_timed_once_per_phase(tmp_path):

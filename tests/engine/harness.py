@@ -1,6 +1,7 @@
 """Run workloads through the engine batched or serially, and compare results under the
-near-tie rule of ARCHITECTURE.md §10 (a mismatch is admitted only where the dense reference shows
-a top-2 score gap or a gate-threshold distance below 1e-5; such cases are counted)."""
+near-tie rule of docs/design/architecture.md §10 (a mismatch is admitted only where the dense
+reference shows a top-2 score gap or a gate-threshold distance below 1e-5; such cases are
+counted)."""
 
 from __future__ import annotations
 

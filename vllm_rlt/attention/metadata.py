@@ -19,7 +19,7 @@ import torch
 from vllm_rlt.tensor_utils import to_device
 
 # most rows per attention tile in the engine (`tile_rows_for`): chunk rows share KV loads (64
-# measured best for 128-token chunks on the H200, docs/benchmarks/attention-microbench.md); decode
+# measured best for 128-token chunks on the H200, docs/design/runner.md §4); decode
 # rows get one-row tiles
 TILE_ROWS = 64
 
@@ -27,7 +27,7 @@ TILE_ROWS = 64
 def tile_rows_for(task_rows: int) -> int:
     """The engine's tile height for prefill tasks of at most `task_rows` rows: TILE_ROWS, or that
     many rounded up to a power of two when smaller (a 64-row block computes padding beside
-    32-row tasks, docs/benchmarks/attention-merged.md)."""
+    32-row tasks, docs/design/runner.md §4)."""
     return min(TILE_ROWS, 1 << (task_rows - 1).bit_length())
 
 

@@ -1,7 +1,7 @@
 """The synchronous engine: `add_request`, `step`, `abort_request`.
 
-A step is `schedule -> execute -> update` (ARCHITECTURE.md §3) plus output processing; the
-engine adds validation and bookkeeping around it, never scheduling logic.
+A step is `schedule -> execute -> update` (docs/design/architecture.md §3) plus output
+processing; the engine adds validation and bookkeeping around it, never scheduling logic.
 
 With async scheduling (the default) a step queues its work on the device and advances the
 scheduler by its loops, then reads back the tokens the previous step sampled: by then the device

@@ -1,8 +1,8 @@
 """`vllm-rlt inspect`: what a looped model thinks at each depth for a prompt's last position.
 
 Per depth it prints the top next tokens with probabilities, the gate's exit probability
-sigmoid(g_t) and the exit distribution p_t with its CDF (MODELS.md §1.5), computed with the paged
-model; `--check` recomputes with the dense reference and compares.
+sigmoid(g_t) and the exit distribution p_t with its CDF (docs/models.md §1.5), computed with the
+paged model; `--check` recomputes with the dense reference and compares.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import triton
 # per SM before splitting (up to 32 rows of Ouro-1.4B's 16 heads on an H200) split finer: at
 # 512-1024 positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per
 # SM, and 16-32 rows 5-15% faster with it and their own launch configs (2 splits at 16 rows, none
-# at 32: `paged_attention.decode_config_for`; docs/benchmarks/decode-sweep.md).
+# at 32: `paged_attention.decode_config_for`; docs/design/runner.md §4).
 @dataclass(frozen=True)
 class SplitPolicy:
     programs_per_sm: int

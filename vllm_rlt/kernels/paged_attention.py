@@ -1,4 +1,5 @@
-"""Triton kernels for paged attention over an invocation's tile table (ARCHITECTURE.md §7, §11).
+"""Triton kernels for paged attention over an invocation's tile table
+(docs/design/architecture.md §7, §11).
 
 One program handles one tile (rows of one segment: one request at one plane) for one KV head and
 all query heads of its GQA group, and optionally one KV split. It reads the segment's block table,
@@ -51,14 +52,14 @@ class LaunchConfig:
     use_dot: bool = True  # tl.dot with rows padded to 16, else broadcast-and-sum (tiny M only)
 
 
-# Chosen from the H200 sweep in docs/benchmarks/attention-microbench.md.
+# Chosen from an H200 sweep (docs/design/runner.md §4).
 DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=True)
 # Decode-only launches that split finer (`split_policy`) with more than one program per SM
 # before splitting (9-32 rows of Ouro-1.4B's 16 heads): KV steps of 64 with 2 stages, 4-14%
-# faster at 512-4096 positions on the H200 (docs/benchmarks/decode-sweep.md).
+# faster at 512-4096 positions on the H200 (docs/design/runner.md §4).
 FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)
 # Prefill tiles below 64 rows x heads, and from 64. Swept at the engine's 1024-row invocations
-# (docs/benchmarks/prefill-attention.md): 3-4% faster than 2 and 3 stages at contexts up to 512;
+# (docs/design/runner.md §4): 3-4% faster than 2 and 3 stages at contexts up to 512;
 # the short tiles' 3 stages lose up to 2% at 4K, the tall tiles' 2 stages win up to 4K.
 CHUNK_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3)
 CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
@@ -321,7 +322,7 @@ def paged_attention(
     tiles = meta.tile_order
     if 0 < num_one < num_tiles and big:
         # decode rows beside prefill tiles of 64 rows (x group): one launch, side by side; beside
-        # shorter tiles the two launches measured faster (docs/benchmarks/attention-merged.md)
+        # shorter tiles the two launches measured faster (docs/design/runner.md §4)
         one_cfg = replace(decode_config, block_n=min(decode_config.block_n, chunk_config.block_n))
         _launch(tiles, meta.max_tile_rows, chunk_config, *args, (num_one, one_cfg))
     else:

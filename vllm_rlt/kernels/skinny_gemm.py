@@ -2,7 +2,7 @@
 
 Decode invocations multiply a handful of rows by the shared-layer weights, so the GEMMs only
 stream weights: their floor is the weight bytes over the memory bandwidth. cuBLAS reaches 55-62%
-of it there (`docs/benchmarks/layer-kernels.md`); its kernel names read as tiles of 64-128 weight
+of it there (`docs/design/runner.md §4`); its kernel names read as tiles of 64-128 weight
 rows, a grid smaller than the GPU for most of Ouro-1.4B's projections. This kernel gives each
 program `BLOCK_N` weight rows (coalesced along K) and, when that still leaves too few programs,
 splits K: every split writes an fp32 partial and counts itself in an arrival counter of its
@@ -20,8 +20,8 @@ interleaved in its tile, and finishes each pair with the roundings of the separa
 
 On Hopper GPUs the kernel is launched early (programmatic dependent launch, `pdl.py`): while the
 kernel that produces x finishes, each program pulls its first PREFETCH_K weight columns into the
-L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`); measurements in
-`docs/benchmarks/layer-kernels.md` and `decode-sweep.md`.
+L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`); how to measure it:
+`docs/design/runner.md §4`.
 """
 
 from __future__ import annotations

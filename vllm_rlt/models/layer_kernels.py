@@ -20,7 +20,7 @@ on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
 per exit gate (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the
 projections of invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead
 of cuBLAS, the SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by
-the q/k/v GEMM for up to 8 rows (docs/benchmarks/layer-kernels.md).
+the q/k/v GEMM for up to 8 rows (docs/design/runner.md §4).
 Inference only (no autograd through Triton).
 """
 
@@ -141,7 +141,7 @@ class FusedLayerKernels:
 class SkinnyLayerKernels(FusedLayerKernels):
     name = "skinny"
     # RoPE in the q/k/v GEMM is 1.3 us faster than a separate launch at 1 row, even at 8 and
-    # 3.5 us slower at 16 (docs/benchmarks/decode-sweep.md)
+    # 3.5 us slower at 16 (docs/design/runner.md §4)
     rope_max_rows = 8
 
     def __init__(self) -> None:

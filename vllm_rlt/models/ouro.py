@@ -2,7 +2,7 @@
 
 `prelude` embeds tokens, `recurrent_core` runs one loop (all shared layers, the end-of-loop norm
 and the exit-gate logit) for rows that may each sit at their own position, depth and request,
-and `coda` is the LM head. Maths per docs MODELS.md §1.3; parameter names match the HF
+and `coda` is the LM head. Maths per docs/models.md §1.3; parameter names match the HF
 checkpoint exactly so the loader maps tensors one to one (q/k/v and gate/up weights are views
 into fused weights, see `layers.FusesLinears`). The element-wise work runs through a
 `LayerKernels` strategy: torch ops, or fused projections and Triton kernels (CUDA default).

@@ -44,7 +44,7 @@ from vllm_rlt.attention.metadata import TILE_ROWS, HostMetadata, tile_layout
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 # mixed buckets: doubling while an invocation is weight-bound (GPU time nearly flat in rows), then
 # steps of 64 up to 1024 rows and of 128 up to 2048. Above ~190 rows an invocation is
-# compute-bound (docs/benchmarks/wcpb-matrix.md), so padding rows cost their share of the GEMMs:
+# compute-bound (docs/design/runner.md §2), so padding rows cost their share of the GEMMs:
 # the steps keep them under 1/3 at 192 rows and under 1/8 from 512 rows on.
 MIXED_BUCKETS = (8, 16, 32, 64, 128, *range(192, 1025, 64), *range(1152, 2049, 128))
 

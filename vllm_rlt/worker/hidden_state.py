@@ -1,4 +1,4 @@
-"""Hidden-state storage that follows the plan (ARCHITECTURE.md §6).
+"""Hidden-state storage that follows the plan (docs/design/architecture.md §6).
 
 One persistent device buffer holds, per request slot, a decode row (the state of the request's
 newest token, or the state awaiting the coda) and a prefill ring of `ring_slots * chunk_size` rows.

@@ -1,4 +1,5 @@
-"""Exit policies: after each loop of a decode token, stop or loop again (ARCHITECTURE.md §9).
+"""Exit policies: after each loop of a decode token, stop or loop again
+(docs/design/architecture.md §9).
 
 Each policy sees the token's gate logit for the loop just run and updates the token's running
 state. Gate arithmetic runs in Python floats (fp64) on the fp32 gate logits the runner returns.

@@ -14,7 +14,7 @@ as an ordinary staged prefill in which each output position runs the loops it ra
 (`Request.position_loops`), so its KV, and everything it generates next, is what it would have
 been. A request admitted in this step that does not fit goes back unannounced.
 
-`loop_count` rules (ARCHITECTURE.md §4), each applied in `_loop_count`:
+`loop_count` rules (docs/design/scheduler.md §2), each applied in `_loop_count`:
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
       unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
       gate: then it runs until the first row's exit decision is due (fixed depth: through the

@@ -1,0 +1,215 @@
+"""GPU time and kernel count of one recurrent-core invocation under each layer-kernel strategy.
+
+The Ouro-1.4B shape (24 layers, hidden 2048, 16 x 128 heads, MLP 5632) with dummy bf16 weights and
+the Triton attention backend runs one loop over R decode rows (R in --rows), each row its own
+sequence at position --context - 1 with that much KV (block size 16, fragmented block tables);
+with --chunk C, R / C sequences each run a prefill chunk of C rows ending at that position.
+For each layer path in --paths (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs;
+`fused`: fused [q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`;
+`skinny`: `fused` with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`) it
+reports:
+
+- eager_ms: CUDA events around back-to-back calls after warm-up (host launch cost included);
+- graph_ms: the same invocation captured in a CUDA graph and replayed (GPU time alone);
+- kernels and kernel_ms from torch.profiler over one eager call (kernels, copies and memsets), the
+  most frequent kernel names, GPU time and count per kernel name, and kernels per layer from the
+  difference between the full model and the model cut to half its layers;
+- for `fused` and `skinny`, the relative distance of their outputs to the torch path's (same
+  inputs).
+
+The weight floor is the bytes of the shared layers over the device-to-device copy bandwidth
+measured in the same run.
+
+    python -m benchmarks.probes.layer_kernels --out layer-kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import triton
+
+from benchmarks.model_shapes import write_shape
+from benchmarks.serving.metrics import device_time_by_name
+from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
+from vllm_rlt.models.loader import load_model
+
+BLOCK_SIZE = 16
+PATHS = ("torch", "fused", "skinny")
+
+
+class LayerKV:
+    """K and V of every layer: [num_layers, 2, num_blocks, block_size, Hkv, d], random bf16."""
+
+    def __init__(self, config, num_blocks: int):
+        shape = (config.num_hidden_layers, 2, num_blocks, BLOCK_SIZE)
+        shape += (config.num_key_value_heads, config.head_dim)
+        self.kv = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[index, 0], self.kv[index, 1]
+
+
+def make_case(model, rows: int, context: int, kv: LayerKV, seed: int, chunk: int = 1):
+    """(hidden [rows, H], metadata) for rows // chunk sequences, each a segment of `chunk` rows
+    at positions context - chunk .. context - 1 (chunk 1: decode rows; more: prefill chunks,
+    tiled as the engine tiles them)."""
+    if rows % chunk or chunk > context:
+        raise ValueError(f"{rows} rows do not split into chunks of {chunk} within {context}")
+    gen = torch.Generator().manual_seed(seed)
+    blocks = triton.cdiv(context, BLOCK_SIZE)
+    seqs = rows // chunk
+    perm = torch.randperm(kv.kv.shape[2], generator=gen)[: seqs * blocks].tolist()
+    tables = [perm[r * blocks : (r + 1) * blocks] for r in range(seqs)]
+    starts, counts = [context - chunk] * seqs, [chunk] * seqs
+    meta = build_attention_metadata(starts, counts, tables, BLOCK_SIZE, "cuda", TILE_ROWS)
+    hidden = torch.randn(rows, model.config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    return hidden, meta
+
+
+def time_ms(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def profile_kernels(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
+    """(device events, their summed GPU ms, (name, GPU us, count) per name) of one call of fn."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            fn()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    by_name = device_time_by_name(events)
+    return sum(n for *_, n in by_name), sum(us for _, us, _ in by_name) / 1e3, by_name
+
+
+def measure(model, hidden, meta, kv, iters: int) -> dict:
+    def core():
+        return model.recurrent_core(hidden, meta, kv)
+
+    for _ in range(3):  # compile and warm up
+        core()
+    torch.cuda.synchronize()
+    eager = time_ms(core, iters)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        core()
+    graph_ms = time_ms(graph.replay, iters)
+    del graph
+    count, kernel_ms, by_name = profile_kernels(core)
+    layers = model.model.layers
+    model.model.layers = layers[: len(layers) // 2]
+    try:
+        half_count, *_ = profile_kernels(core)
+    finally:
+        model.model.layers = layers
+    return {
+        "eager_ms": eager,
+        "graph_ms": graph_ms,
+        "kernels": count,
+        "kernel_ms": kernel_ms,
+        "kernels_per_layer": (count - half_count) / (len(layers) - len(layers) // 2),
+        "top_kernels": sorted(((n, c) for n, _, c in by_name), key=lambda x: -x[1])[:12],
+        "kernel_us_by_name": by_name,
+    }
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = time_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() * 2 / ms / 1e6
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--context", type=int, default=512, help="KV positions per row")
+    parser.add_argument("--chunk", type=int, default=1, help="rows per sequence (1: decode)")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    parser.add_argument("--out", type=Path, help="write the JSON results here")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(
+            write_shape("ouro-1.4b", tmp),
+            dtype="bfloat16",
+            device="cuda",
+            load_format="dummy",
+            attention_backend="triton",
+        )
+    model = loaded.model
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    bandwidth = copy_gbps()
+    num_blocks = max(args.rows) // args.chunk * triton.cdiv(args.context, BLOCK_SIZE) + 64
+    kv = LayerKV(loaded.config, num_blocks)
+    results = []
+    for rows in args.rows:
+        hidden, meta = make_case(model, rows, args.context, kv, rows, args.chunk)
+        case = {"rows": rows, "context": args.context, "chunk": args.chunk}
+        outputs = {}
+        for path in args.paths:
+            model.layer_kernels = path
+            case[path] = measure(model, hidden, meta, kv, args.iters)
+            outputs[path] = model.recurrent_core(hidden, meta, kv)
+            print(
+                f"rows {rows:4d} chunk {args.chunk}: {path} graph {case[path]['graph_ms']:.3f} "
+                f"ms, eager {case[path]['eager_ms']:.2f} ms, {case[path]['kernels']} kernels "
+                f"({case[path]['kernels_per_layer']:.1f} per layer)",
+                flush=True,
+            )
+        if "torch" in outputs:
+            h_torch, g_torch = outputs["torch"]
+            for path in outputs.keys() - {"torch"}:
+                h, g = outputs[path]
+                case[path]["hidden_rel_err_vs_torch"] = rel_err(h, h_torch)
+                case[path]["gate_rel_err_vs_torch"] = rel_err(g, g_torch)
+        if {"torch", "fused"} <= outputs.keys():
+            case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
+        if {"fused", "skinny"} <= outputs.keys():
+            case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
+        results.append(case)
+    report = {
+        "env": {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+        },
+        "model": "ouro-1.4b shape, dummy weights, bf16, triton attention",
+        "layer_weight_bytes": layer_bytes,
+        "copy_GBps": bandwidth,
+        "weight_floor_ms": layer_bytes / bandwidth / 1e6,
+        "cases": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
