@@ -21,6 +21,7 @@ import vllm_rlt
 
 PACKAGE = Path(vllm_rlt.__file__).parent
 LEAF = {"config", "sampling_params", "request", "outputs", "tensor_utils"}
+TOOLS = {"config_docs"}  # top-level tools, at the entrypoints' layer
 BELOW = {
     "leaf": set(),
     "kernels": {"leaf"},
@@ -40,7 +41,10 @@ def layer(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) < 2:
         return None
-    return "leaf" if parts[1] in LEAF else parts[1]
+    name = parts[1]
+    found = "leaf" if name in LEAF else "entrypoints" if name in TOOLS else name
+    assert found in BELOW, f"{module}: a module in no layer (add it to LEAF, TOOLS or BELOW)"
+    return found
 
 
 def runtime_imports(path: Path) -> list[tuple[int, str]]:
