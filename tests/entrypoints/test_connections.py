@@ -75,7 +75,7 @@ def test_a_500_keeps_the_connection_usable(server, monkeypatch):
         status, headers, body = _read_response(sock)
         assert status == 500
         error = json.loads(body)["error"]
-        assert error["type"] == "internal_server_error" and "secret" not in error["message"]
+        assert error["type"] == "InternalServerError" and "secret" not in error["message"]
         if headers.get("connection") != "close":  # then the same connection must go on
             sock.sendall(_get("/health"))
             assert _read_response(sock)[0] == 200

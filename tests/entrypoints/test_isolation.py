@@ -108,9 +108,7 @@ def test_a_fault_in_one_request_ends_it_alone(server, monkeypatch):
     events = [line.removeprefix("data: ") for line in answers["stream"]]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert (
-        error["type"] == "internal_server_error" and "failed while generating" in error["message"]
-    )
+    assert error["type"] == "InternalServerError" and "failed while generating" in error["message"]
     assert answers["plain"].status_code == 500
     assert "failed while generating" in answers["plain"].json()["error"]["message"]
     assert httpx.get(server.url + "/health").status_code == 200

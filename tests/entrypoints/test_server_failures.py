@@ -30,10 +30,14 @@ def _long(stream: bool) -> dict:
     return {"prompt": "def f(x):", "max_tokens": 200, "ignore_eos": True, "stream": stream}
 
 
+ERROR_TYPES = {429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
 def _error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["type"] == ERROR_TYPES[status]
     return err
 
 
@@ -69,9 +73,8 @@ def test_dead_engine_loop_is_reported(server, monkeypatch):
         events = [line.removeprefix("data: ") for line in lines]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert error["type"] == "internal_server_error"
+    assert error["type"] == "InternalServerError" and error["code"] == 500
     assert "secret" not in error["message"] and ".py" not in error["message"]
-    health = httpx.get(server.url + "/health")
-    assert health.status_code == 503
+    _error(httpx.get(server.url + "/health"), 503)
     _error(httpx.post(url, json={"prompt": "x", "max_tokens": 2}), 500)
     _error(httpx.post(url, json={"prompt": "x", "max_tokens": 2, "stream": True}), 500)

@@ -98,11 +98,11 @@ def test_shutdown_timeout_ends_running_requests_and_new_ones_get_503(tmp_path):
             time.sleep(0.02)
         late = httpx.post(url, json=_body(4, False))
         assert late.status_code == 503 and late.headers["connection"] == "close"
-        assert late.json()["error"]["type"] == "service_unavailable_error"
+        assert late.json()["error"]["type"] == "ServiceUnavailableError"
         endings = [_ending(f.result(timeout=60)) for f in futures]
-        assert endings == ["service_unavailable_error"] * NUM_STREAMS
+        assert endings == ["ServiceUnavailableError"] * NUM_STREAMS
         assert whole.result().status_code == 503
-        assert whole.result().json()["error"]["code"] == "503"
+        assert whole.result().json()["error"]["code"] == 503
         assert server.proc.wait(timeout=2 + 2) == 0
         assert time.monotonic() - sent < 2 + 2
         log = server.log()
@@ -138,7 +138,7 @@ def test_engine_death_fails_requests_and_exits_non_zero(tmp_path):
         slow = _send_partial_body(server.port)  # a slow client must not keep the server up
         trigger.touch()
         faulted = time.monotonic()
-        assert [_ending(f.result(timeout=30)) for f in futures] == ["internal_server_error"] * 2
+        assert [_ending(f.result(timeout=30)) for f in futures] == ["InternalServerError"] * 2
         assert httpx.get(server.url + "/health").status_code == 503
         assert server.proc.wait(timeout=DEAD_ENGINE_DRAIN_S + 3) == 1
         assert time.monotonic() - faulted < DEAD_ENGINE_DRAIN_S + 3

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vllm_rlt.entrypoints.openai.serving_common import APIError, shutting_down
+from vllm_rlt.entrypoints.openai.errors import APIError, shutting_down
 
 logger = logging.getLogger(__name__)
 
@@ -74,5 +74,5 @@ class CatchAll:
         except Exception:
             logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if not started:  # else the response is cut short and uvicorn closes the connection
-                error = APIError(500, "internal server error", type="internal_server_error")
+                error = APIError(500, "internal server error")
                 await _send_error(error, scope, receive, send)
