@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
@@ -100,12 +101,15 @@ class ServeProcess:
 
 
 def read_metrics(url: str) -> dict[str, float]:
-    """The server's /metrics samples by name (labels included)."""
+    """The server's /metrics samples, parsed by prometheus_client, keyed `name{label="v",...}`
+    (labels sorted) without the `model_name` label, which every sample must carry."""
     out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name", None), f"{sample.name} has no model_name label"
+            shown = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            out[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
     return out
 
 

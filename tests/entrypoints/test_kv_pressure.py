@@ -96,15 +96,15 @@ def test_32_streams_through_a_kv_cache_for_one_request(model_dir):
         got, before = asyncio.run(run())
         assert [text for text, _ in got] == [solo[i] for i in range(len(work))]
         assert all(reason == "length" for _, reason in got)
-        assert before["vllm_rlt:num_preemptions_total"] > 0
+        assert before["vllm:num_preemptions_total"] > 0
         m = read_metrics(server.url)
         queried = len(work[0][0]) - 1  # the last prompt position is always computed
         for name, grew in (("queries", queried), ("hits", queried // BLOCK * BLOCK)):
-            name = f"vllm_rlt:prefix_cache_{name}_total"
+            name = f"vllm:prefix_cache_{name}_total"
             assert m[name] - before[name] == grew
         deadline = time.monotonic() + 10  # the snapshot follows the engine's last step
         usage = [f'vllm_rlt:kv_cache_usage_perc_by_plane{{plane="{p}"}}' for p in range(planes)]
-        while any(m[name] for name in usage) or m["vllm_rlt:kv_cache_usage_perc"]:
+        while any(m[name] for name in usage) or m["vllm:kv_cache_usage_perc"]:
             assert time.monotonic() < deadline, {name: m[name] for name in usage}
             time.sleep(0.05)
             m = read_metrics(server.url)

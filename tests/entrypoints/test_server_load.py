@@ -73,9 +73,9 @@ def test_200_concurrent_streams_with_30_percent_disconnects(server):
             assert text == alone[prompt]  # same tokens as when run alone
     wait_idle(server.engine)
     m = read_metrics(server.url)
-    assert m["vllm_rlt:num_requests_running"] == 0
+    assert m["vllm:num_requests_running"] == 0
     assert m["vllm_rlt:num_free_kv_blocks"] == m["vllm_rlt:num_total_kv_blocks"]
-    assert m['vllm_rlt:request_success_total{finished_reason="abort"}'] >= 1
+    assert m['vllm:request_success_total{finished_reason="abort"}'] >= 1
     assert httpx.get(server.url + "/health").status_code == 200
 
 
@@ -101,8 +101,8 @@ def test_metrics_counters_agree_with_what_was_sent(server):
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    assert delta("vllm_rlt:prompt_tokens_total") == sent_prompt
-    assert delta("vllm_rlt:generation_tokens_total") == sent_out
-    assert delta('vllm_rlt:request_success_total{finished_reason="length"}') == 3
-    assert delta("vllm_rlt:e2e_request_latency_seconds_count") == 3
+    assert delta("vllm:prompt_tokens_total") == sent_prompt
+    assert delta("vllm:generation_tokens_total") == sent_out
+    assert delta('vllm:request_success_total{finished_reason="length"}') == 3
+    assert delta("vllm:e2e_request_latency_seconds_count") == 3
     assert delta('vllm_rlt:exit_depth_bucket{le="+Inf"}') == sent_out
