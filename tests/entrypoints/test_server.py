@@ -143,9 +143,6 @@ def test_chat_stream_matches_non_stream(client, server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == msg.message.content
     assert chunks[-1].choices[0].finish_reason == msg.finish_reason
-    lp = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0].logprobs
-    assert len(lp.content) == full.usage.completion_tokens
-    assert all(len(t.top_logprobs) <= 2 for t in lp.content)
 
 
 def test_chat_stops_at_im_end_and_passes_loop_bounds(client, server, monkeypatch):
@@ -173,22 +170,10 @@ def test_chat_stops_at_im_end_and_passes_loop_bounds(client, server, monkeypatch
     assert params.max_tokens == 5
 
 
-# ---- models, health, metrics -----------------------------------------------------------------
-def test_models_health_and_metrics(client, server):
+# ---- models, health ------------------------------------------------------------------------
+def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").status_code == 200
-    _create(client, prompt="x", max_tokens=3, temperature=0, ignore_eos=True)
-    m = _metrics(server)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "rows_per_invocation", "tasks_per_invocation", "invocations_total"):  # fmt: skip
-        assert "vllm_rlt:" + name in m
-    assert m["vllm_rlt:generation_tokens_total"] >= 3
-    assert m["vllm_rlt:prompt_tokens_total"] >= 1
-    assert m["vllm_rlt:time_to_first_token_seconds_count"] >= 1
-    assert m["vllm_rlt:e2e_request_latency_seconds_count"] >= 1
-    assert m['vllm_rlt:exit_depth_bucket{le="+Inf"}'] == m["vllm_rlt:generation_tokens_total"]
-    assert m['vllm_rlt:exit_depth_bucket{le="4.0"}'] == m["vllm_rlt:generation_tokens_total"]
-    assert m["vllm_rlt:rows_per_invocation"] > 0
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -199,8 +184,9 @@ def _post(server, body, path="/v1/completions", headers=AUTH, content_type="appl
     return httpx.post(server.url + path, content=content, headers=headers)
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "NotFoundError",
-               413: "invalid_request_error", 415: "invalid_request_error"}  # fmt: skip
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "PayloadTooLargeError",
+               415: "UnsupportedMediaTypeError"}  # fmt: skip
 
 
 def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -> str:
@@ -209,7 +195,7 @@ def _assert_error(resp: httpx.Response, status: int, param: str | None = None) -
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == ERROR_TYPES[status]
+    assert err["type"] == ERROR_TYPES[status] and err["code"] == status
     assert isinstance(err["message"], str) and err["message"]
     assert "Traceback" not in err["message"] and ".py" not in err["message"]
     if param is not None:
@@ -341,6 +327,6 @@ def test_client_disconnect_aborts_and_frees_kv(server, client):
     # the aborted request stopped long before its 240 tokens
     assert server.engine.stats.generated_tokens - generated < 30 + 100
     m = _metrics(server)
-    assert m["vllm_rlt:num_requests_running"] == 0
+    assert m["vllm:num_requests_running"] == 0
     assert m["vllm_rlt:num_free_kv_blocks"] == m["vllm_rlt:num_total_kv_blocks"]
-    assert m['vllm_rlt:request_success_total{finished_reason="abort"}'] >= 1
+    assert m['vllm:request_success_total{finished_reason="abort"}'] >= 1

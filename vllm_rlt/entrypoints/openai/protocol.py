@@ -78,6 +78,21 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
+class TokenizeRequest(_Request):
+    """`prompt` (text), or chat `messages` rendered with the chat template (vLLM's shapes)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ------------------------------------------------------------------------------
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
@@ -152,6 +167,16 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice] | list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

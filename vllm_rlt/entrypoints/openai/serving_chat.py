@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from vllm_rlt.entrypoints.openai.chat_template import IM_END
+from vllm_rlt.entrypoints.openai.errors import APIError, engine_error
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -24,16 +25,16 @@ from vllm_rlt.entrypoints.openai.protocol import (
 )
 from vllm_rlt.entrypoints.openai.serving_common import (
     SSE_DONE,
-    APIError,
     DeltaTracker,
     ServerState,
+    Submission,
     add_all,
-    engine_error,
     merge,
     sse,
     usage,
 )
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
+from vllm_rlt.sampling_params import MAX_LOGPROBS
 
 
 def _content(msg: ChatMessage) -> str:
@@ -47,15 +48,34 @@ def _content(msg: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _logprobs(state: ServerState, ids: list[int], lps: list[dict[int, float]]) -> ChatLogProbs:
+def render_messages(
+    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool
+) -> str:
+    """The chat prompt of `messages`; 400 for content or roles the template cannot render."""
+    plain = [{"role": m.role, "content": _content(m)} for m in messages]
+    try:
+        return state.chat.render(plain, add_generation_prompt)
+    except Exception:  # a template error (e.g. roles it rejects)
+        msg = "messages: the chat template cannot render them"
+        raise APIError(400, msg, param="messages") from None
+
+
+def _logprobs(
+    state: ServerState, ids: list[int], lps: list[dict[int, float]], num_top: int
+) -> ChatLogProbs:
+    """Per token: the sampled token's logprob and the `num_top` most likely tokens, most likely
+    first (the sampled token among them when it is one of them). The engine reports the sampled
+    token and the `num_top` most likely, so the first `num_top` by logprob are those."""
+
     def entry(tok: int, lp: float) -> ChatTopLogprob:
         text = state.token_text(tok)
         return ChatTopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
 
     content = []
     for tok, alts in zip(ids, lps, strict=True):
-        top = [entry(t, lp) for t, lp in alts.items() if t != tok]
+        ranked = sorted(alts.items(), key=lambda item: -item[1])[:num_top]
         head = entry(tok, alts[tok])
+        top = [entry(t, lp) for t, lp in ranked]
         content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=top))
     return ChatLogProbs(content=content)
 
@@ -64,13 +84,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_model(req.model)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream")
-    messages = [{"role": m.role, "content": _content(m)} for m in req.messages]
-    try:
-        prompt = state.chat.render(messages)
-    except Exception:  # a template error (e.g. roles it rejects)
-        msg = "messages: the chat template cannot render them"
-        raise APIError(400, msg, param="messages") from None
-    ids = state.encode(prompt)
+    prompt = render_messages(state, req.messages, add_generation_prompt=True)
+    ids = state.encode(prompt, add_special_tokens=False)  # the template writes them (as vLLM)
     kwargs = req.sampling_kwargs()
     im_end = state.tokenizer.token_to_id(IM_END) if state.tokenizer else None
     if im_end is not None:
@@ -83,21 +98,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             raise APIError(400, msg, param="max_completion_tokens")
     if max_tokens is None:  # the rest of the context
         max_tokens = max(1, state.max_model_len - len(ids))
-    logprobs = None
-    if req.logprobs:
-        logprobs = req.top_logprobs or 0
-    elif req.top_logprobs is not None:
+    num_top = req.top_logprobs or 0
+    if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if not 0 <= num_top <= MAX_LOGPROBS:
+        msg = f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {num_top}"
+        raise APIError(400, msg, param="top_logprobs")
+    logprobs = num_top if req.logprobs else None
     params = state.sampling_params(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
-    request_id = random_id("chatcmpl")
-    streams = await add_all(state, request_id, [ids], params)
+    sub = await add_all(state, random_id("chatcmpl"), [ids], params)
     if req.stream:
-        return StreamingResponse(
-            _stream(state, req, request_id, len(ids), streams, raw),
-            media_type="text/event-stream",
-        )
+        return StreamingResponse(_stream(state, req, sub, raw), media_type="text/event-stream")
     final: RequestOutput | None = None
-    outputs = merge(streams, state.metrics)
+    outputs = merge(state, sub)
     try:
         async for _, out in outputs:
             final = out if out.finished else final
@@ -111,7 +124,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ChatChoice(
             index=c.index,
             message=ChatResponseMessage(role="assistant", content=c.text),
-            logprobs=_logprobs(state, c.token_ids, c.logprobs) if req.logprobs else None,
+            logprobs=_logprobs(state, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             exit_depths=c.exit_depths,
@@ -119,7 +132,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         for c in final.outputs
     ]
     return ChatCompletionResponse(
-        id=request_id,
+        id=sub.request_id,
         model=state.served_model_name,
         choices=choices,
         usage=usage([len(ids)], final.outputs),
@@ -127,11 +140,13 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 async def _stream(
-    state: ServerState, req: ChatCompletionRequest, request_id, num_prompt, streams, raw
+    state: ServerState, req: ChatCompletionRequest, sub: Submission, raw
 ) -> AsyncIterator[str]:
+    num_top = req.top_logprobs or 0
+
     def chunk(choices, use=None) -> str:
         resp = ChatCompletionResponse(
-            id=request_id,
+            id=sub.request_id,
             object="chat.completion.chunk",
             model=state.served_model_name,
             choices=choices,
@@ -141,7 +156,7 @@ async def _stream(
 
     tracker = DeltaTracker(tuple(req.sampling_kwargs()["stop"]))
     finals: dict[int, CompletionOutput] = {}
-    outputs = merge(streams, state.metrics)
+    outputs = merge(state, sub)
     try:
         for i in range(req.n):
             role = ChatResponseMessage(role="assistant", content="")
@@ -155,7 +170,8 @@ async def _stream(
                     continue
                 lp = None
                 if req.logprobs:
-                    lp = _logprobs(state, comp.token_ids[start:end], comp.logprobs[start:end])
+                    lps = comp.logprobs[start:end]
+                    lp = _logprobs(state, comp.token_ids[start:end], lps, num_top)
                 delta = ChatResponseMessage(content=text)
                 choice = ChatStreamChoice(
                     index=comp.index, delta=delta, logprobs=lp, finish_reason=comp.finish_reason
@@ -164,7 +180,7 @@ async def _stream(
             if await raw.is_disconnected():
                 return
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage([num_prompt], list(finals.values())))
+            yield chunk([], usage([len(sub.prompts[0])], list(finals.values())))
     except Exception as err:
         yield sse(engine_error(err).body())
     finally:

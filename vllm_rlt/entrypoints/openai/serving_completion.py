@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
+from vllm_rlt.entrypoints.openai.errors import APIError, engine_error
 from vllm_rlt.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -17,11 +18,10 @@ from vllm_rlt.entrypoints.openai.protocol import (
 )
 from vllm_rlt.entrypoints.openai.serving_common import (
     SSE_DONE,
-    APIError,
     DeltaTracker,
     ServerState,
+    Submission,
     add_all,
-    engine_error,
     merge,
     sse,
     usage,
@@ -66,7 +66,9 @@ class _Logprobs:
                 continue
             entry = lps[i]
             out.token_logprobs.append(entry[tok])
-            out.top_logprobs.append({self.state.token_text(t): lp for t, lp in entry.items()})
+            top = {self.state.token_text(t): lp for t, lp in entry.items() if t != tok}
+            top[text] = entry[tok]  # two ids may decode alike: the sampled token's entry wins
+            out.top_logprobs.append(top)
         self.offset[index] = offset
         return out
 
@@ -88,12 +90,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         max_tokens=req.max_tokens, logprobs=req.logprobs, **req.sampling_kwargs()
     )
     request_id = random_id("cmpl")
-    streams = await add_all(state, request_id, prompts, params)
+    sub = await add_all(state, request_id, prompts, params)
     ctx = _Context(state, req, request_id, prompts, params.n)
     if req.stream:
-        return StreamingResponse(ctx.stream(streams, raw), media_type="text/event-stream")
+        return StreamingResponse(ctx.stream(sub, raw), media_type="text/event-stream")
     finals: dict[int, RequestOutput] = {}
-    outputs = merge(streams, state.metrics)
+    outputs = merge(state, sub)
     try:
         async for i, out in outputs:
             if out.finished:
@@ -151,10 +153,10 @@ class _Context:
         use = usage([len(p) for p in self.prompts], comps)
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=use)
 
-    async def stream(self, streams, raw: Request) -> AsyncIterator[str]:
+    async def stream(self, sub: Submission, raw: Request) -> AsyncIterator[str]:
         tracker = DeltaTracker(tuple(self.req.sampling_kwargs()["stop"]))
         comps: dict[int, CompletionOutput] = {}
-        outputs = merge(streams, self.state.metrics)
+        outputs = merge(self.state, sub)
         try:
             async for i, out in outputs:
                 for comp in out.outputs:
