@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from vllm_rlt.entrypoints import cli_args
+from vllm_rlt.entrypoints.openai.server_log import DEFAULT_LOG_STATS_INTERVAL_S
 from vllm_rlt.entrypoints.openai.serving_common import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_N
 
 
@@ -63,6 +64,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="on SIGTERM/SIGINT, seconds running requests get to finish before they are ended "
         "with an error (new requests get 503 meanwhile)",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template for /v1/chat/completions: a file, or the Jinja template itself "
+        "(default: the checkpoint's, else ChatML)",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="do not log the stats line (throughput, running, waiting, KV usage)",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=DEFAULT_LOG_STATS_INTERVAL_S,
+        help="seconds between stats lines",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log a line when each request arrives and when it ends",
+    )
     cli_args.add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -92,6 +115,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     if args.body_read_timeout <= 0 or args.timeout_keep_alive < 1 or args.shutdown_timeout < 0:
         msg = "body_read_timeout must be > 0, timeout_keep_alive >= 1, shutdown_timeout >= 0"
         raise SystemExit(f"error: {msg}")
+    if args.log_stats_interval <= 0:
+        raise SystemExit("error: log_stats_interval must be > 0")
     name = served_name(args)
     try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
@@ -103,6 +128,10 @@ def run(args: argparse.Namespace) -> NoReturn:
             max_waiting_requests=args.max_waiting_requests,
             max_n=args.max_n,
             body_read_timeout=args.body_read_timeout,
+            chat_template=args.chat_template,
+            log_stats=not args.disable_log_stats,
+            log_stats_interval=args.log_stats_interval,
+            log_requests=not args.disable_log_requests,
         )
     except ValueError as err:
         raise cli_args.error_exit(err) from None

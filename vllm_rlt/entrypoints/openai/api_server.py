@@ -1,40 +1,51 @@
-"""The FastAPI app: routes, API-key check, OpenAI-shaped errors.
+"""The FastAPI app: routes, API-key check, OpenAI-shaped errors (errors.py).
 
 `build_app(engine, served_model_name, ...)` takes an `AsyncLLMEngine` (or an `LLMEngine`, which
-it wraps); the app starts the engine loop on startup and stops it on shutdown. `app.state.drain`
-is the gate's `Drain`: a server that stops closes it (see lifecycle.py).
+it wraps); the app starts the engine loop on startup (logging what it serves, then the periodic
+stats line) and stops it on shutdown. `app.state.drain` is the gate's `Drain`: a server that
+stops closes it (see lifecycle.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
+from importlib.metadata import version
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
-from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
+from vllm_rlt.entrypoints.openai.errors import APIError
+from vllm_rlt.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_rlt.entrypoints.openai.middleware import CatchAll, Drain, DrainGate
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+)
+from vllm_rlt.entrypoints.openai.server_log import (
+    DEFAULT_LOG_STATS_INTERVAL_S,
+    StatLogger,
+    log_startup,
 )
 from vllm_rlt.entrypoints.openai.serving_chat import create_chat_completion
 from vllm_rlt.entrypoints.openai.serving_common import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_MAX_N,
-    APIError,
     ServerState,
     read_json,
 )
 from vllm_rlt.entrypoints.openai.serving_completion import create_completion
+from vllm_rlt.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from vllm_rlt.models.tiny import default_model_dir
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -49,22 +60,43 @@ def build_app(
     max_waiting_requests: int | None = None,
     max_n: int = DEFAULT_MAX_N,
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S,
+    chat_template: str | None = None,
+    log_stats: bool = True,
+    log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S,
+    log_requests: bool = True,
 ) -> FastAPI:
+    """`chat_template`: a Jinja template, or a file holding one, used instead of the checkpoint's;
+    `log_stats`: log a stats line every `log_stats_interval` seconds; `log_requests`: log a line
+    when each request arrives and when it ends."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
     elif max_waiting_requests is not None:
         engine.max_waiting_requests = max_waiting_requests
-    metrics = ServerMetrics(engine.engine.num_loops)
+    metrics = ServerMetrics(served_model_name, engine)
     model_dir = engine.engine.config.model.model or default_model_dir()
-    chat = ChatRenderer(model_dir)
+    chat = ChatRenderer(model_dir, chat_template)
     state = ServerState(
-        engine, served_model_name, api_key, max_body_bytes, metrics, chat, max_n, body_read_timeout
+        engine,
+        served_model_name,
+        api_key,
+        max_body_bytes,
+        metrics,
+        chat,
+        max_n,
+        body_read_timeout,
+        log_requests,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        log_startup(engine.engine, served_model_name)
+        stats = None
+        if log_stats:
+            stats = asyncio.create_task(StatLogger(engine, metrics).run(log_stats_interval))
         yield
+        if stats is not None:
+            stats.cancel()
         await engine.shutdown()
 
     app = FastAPI(title="vllm-rlt", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -82,8 +114,7 @@ def build_app(
             token.strip().encode(), state.api_key.encode()
         )
         if not ok:
-            msg = "invalid or missing API key"
-            raise APIError(401, msg, type="authentication_error", code="invalid_api_key")
+            raise APIError(401, "invalid or missing API key")
 
     auth = [Depends(check_api_key)]
 
@@ -96,22 +127,24 @@ def build_app(
         return await api_error(_, APIError(400, "invalid request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return await api_error(_, APIError(err.status_code, str(err.detail), type=kind))
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        # 404 for an unknown path, 405 (with its Allow header) for a known path's other methods
+        message = f"{err.detail}: {request.method} {request.url.path}"
+        return await api_error(request, APIError(err.status_code, message, headers=err.headers))
 
     @app.get("/health")
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
-        return JSONResponse(
-            APIError(503, "the engine loop has stopped", type="internal_server_error").body(), 503
-        )
+        raise APIError(503, "the engine loop has stopped")
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version("vllm-rlt")}
 
     @app.get("/metrics")
-    async def get_metrics() -> PlainTextResponse:
-        text = metrics.render(engine.snapshot)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
@@ -130,5 +163,19 @@ def build_app(
             request, ChatCompletionRequest, state.max_body_bytes, state.body_read_timeout
         )
         return await create_chat_completion(state, req, request)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize_route(request: Request):
+        req = await read_json(
+            request, TokenizeRequest, state.max_body_bytes, state.body_read_timeout
+        )
+        return tokenize(state, req)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize_route(request: Request):
+        req = await read_json(
+            request, DetokenizeRequest, state.max_body_bytes, state.body_read_timeout
+        )
+        return detokenize(state, req)
 
     return app

@@ -17,6 +17,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
@@ -24,6 +25,14 @@ from vllm_rlt.entrypoints.openai.middleware import Drain
 
 # uvicorn's logger: its handler prints our info lines beside uvicorn's own
 logger = logging.getLogger("uvicorn.error")
+# uvicorn's logging setup, plus the package's loggers (start line, stats, requests) on its handler
+LOG_CONFIG = {
+    **LOGGING_CONFIG,
+    "loggers": {
+        **LOGGING_CONFIG["loggers"],
+        "vllm_rlt": {"handlers": ["default"], "level": "INFO", "propagate": False},
+    },
+}
 DEAD_ENGINE_DRAIN_S = 3.0  # most seconds a server whose engine died answers before it stops
 CUT_OFF_GRACE_S = 0.5  # seconds the requests ended by the cut-off get to send their last bytes
 
@@ -61,6 +70,7 @@ class GracefulServer(uvicorn.Server):
             host=host,
             port=port,
             log_level="info",
+            log_config=LOG_CONFIG,
             http=HeadTimeoutH11Protocol,
             timeout_keep_alive=timeout_keep_alive,
             timeout_graceful_shutdown=CUT_OFF_GRACE_S,

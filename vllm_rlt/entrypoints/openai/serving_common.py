@@ -1,104 +1,43 @@
-"""What completions and chat share: the server state, OpenAI-shaped errors, turning a request
-into SamplingParams, running several engine streams at once, and streaming text deltas."""
+"""What completions and chat share: the server state, reading a request body, turning a request
+into SamplingParams, running several engine streams at once (metrics and request log lines
+included), and streaming text deltas."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
 from tokenizers import Tokenizer
 
-from vllm_rlt.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    EngineStoppedError,
-    QueueFullError,
-    RequestFailedError,
-)
+from vllm_rlt.engine.async_engine import AsyncLLMEngine, RequestStream
 from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
+from vllm_rlt.entrypoints.openai.errors import APIError, bad_request, engine_error
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
+from vllm_rlt.entrypoints.openai.server_log import log_finished, log_received
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams, check_text
 
-_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 DEFAULT_MAX_N = 16  # most samples one request may ask for (--max-n)
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0  # seconds a body may take to arrive (--body-read-timeout)
-
-
-class APIError(Exception):
-    """An error answered in OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type = status, message, type
-        self.param, self.code, self.headers = param, code, headers
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code or str(self.status),
-            }
-        }
-
-
-def engine_error(err: Exception) -> APIError:
-    """Map an engine exception to the HTTP error the client sees (no internals in the text)."""
-    if isinstance(err, ValueError):
-        return bad_request(str(err))
-    if isinstance(err, QueueFullError):
-        return APIError(
-            429, str(err), type="rate_limit_error", code="429", headers={"Retry-After": "1"}
-        )
-    if isinstance(err, EngineStoppedError):
-        return shutting_down()
-    if isinstance(err, (EngineDeadError, RequestFailedError)):
-        return APIError(500, str(err), type="internal_server_error")
-    return APIError(500, "internal error while generating", type="internal_server_error")
-
-
-def shutting_down() -> APIError:
-    """503 for requests the stopping server will not serve (the client may retry elsewhere)."""
-    return APIError(
-        503,
-        "the server is shutting down",
-        type="service_unavailable_error",
-        headers={"Connection": "close"},
-    )
-
-
-def bad_request(message: str) -> APIError:
-    first = message.split(" ", 1)[0].rstrip(":")
-    param = first if first in _SAMPLING_FIELDS or first == "prompt" else None
-    return APIError(400, message, param=param)
 
 
 @dataclass
 class ServerState:
     engine: AsyncLLMEngine
     served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    chat: ChatRenderer = field(default_factory=lambda: ChatRenderer(None))
-    max_n: int = DEFAULT_MAX_N
-    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_S
+    api_key: str | None
+    max_body_bytes: int
+    metrics: ServerMetrics
+    chat: ChatRenderer
+    max_n: int
+    body_read_timeout: float
+    log_requests: bool  # a log line when each request arrives and when it ends
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -113,9 +52,7 @@ class ServerState:
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
-                type="NotFoundError",
                 param="model",
-                code="model_not_found",
             )
 
     def sampling_params(self, **kwargs: Any) -> SamplingParams:
@@ -128,10 +65,10 @@ class ServerState:
         except ValueError as err:
             raise bad_request(str(err)) from None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("prompt: text needs a tokenizer; this model has none, pass token ids")
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def token_text(self, token_id: int) -> str:
         tok = self.tokenizer
@@ -148,15 +85,15 @@ async def read_json(
     if media_type != "application/json":
         shown = media_type or "none"
         msg = f"the request body must be application/json (Content-Type: {shown})"
-        raise APIError(415, msg, code="415")
+        raise APIError(415, msg)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
+        raise APIError(413, f"request body exceeds {max_bytes} bytes")
     try:
         body = await asyncio.wait_for(_read_body(request, max_bytes), timeout_s)
     except asyncio.TimeoutError:
         msg = f"the request body did not arrive within {timeout_s:g} s"
-        raise APIError(408, msg, code="408", headers={"Connection": "close"}) from None
+        raise APIError(408, msg, headers={"Connection": "close"}) from None
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -183,7 +120,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise APIError(413, f"request body exceeds {max_bytes} bytes", code="413")
+            raise APIError(413, f"request body exceeds {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -221,9 +158,19 @@ def _check_text_at(name: str, text: str, param: str | None = None) -> None:
         raise APIError(400, str(err), param=field or None) from None
 
 
+@dataclass
+class Submission:
+    """The engine requests of one API request: one stream per prompt, `params.n` samples each."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    streams: list[RequestStream]
+
+
 async def add_all(
     state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams
-):
+) -> Submission:
     """Add one engine request per prompt (ids `request_id-i`); on an error abort the added ones.
     A request whose samples (prompts x n) could never all wait at once is a 400, not a 429."""
     limit = state.engine.max_waiting_requests
@@ -232,6 +179,8 @@ async def add_all(
         msg = (f"{param}: {len(prompts)} prompt(s) x n={params.n} samples exceed the server's "
                f"max_waiting_requests ({limit})")  # fmt: skip
         raise APIError(400, msg, param=param)
+    if state.log_requests:
+        log_received(request_id, prompts, params)
     streams = []
     try:
         for i, ids in enumerate(prompts):
@@ -242,24 +191,28 @@ async def add_all(
         if isinstance(err, Exception):
             raise engine_error(err) from None
         raise
-    return streams
+    return Submission(request_id, prompts, params, streams)
 
 
-async def merge(streams: list, metrics: ServerMetrics) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from several streams as they come; closing aborts the unfinished."""
+async def merge(state: ServerState, sub: Submission) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from the streams of `sub` as they come, observed by the metrics;
+    closing aborts the unfinished (and logs the end of the request)."""
     queue: asyncio.Queue = asyncio.Queue()
+    start = time.monotonic()
+    last: list[RequestOutput | None] = [None] * len(sub.streams)
 
     async def pump(i: int, stream) -> None:
         try:
-            async for out in metrics.track(stream):
+            async for out in state.metrics.track(stream, len(sub.prompts[i]), sub.params.n):
+                last[i] = out
                 await queue.put((i, out))
             await queue.put((i, None))
         except Exception as err:
             await queue.put((i, err))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sub.streams)]
     try:
-        remaining = len(streams)
+        remaining = len(sub.streams)
         while remaining:
             i, item = await queue.get()
             if item is None:
@@ -271,8 +224,10 @@ async def merge(streams: list, metrics: ServerMetrics) -> AsyncIterator[tuple[in
     finally:
         for t in tasks:
             t.cancel()
-        for s in streams:
+        for s in sub.streams:
             s.close()
+        if state.log_requests:
+            log_finished(sub.request_id, last, sub.params.n, start)
 
 
 class DeltaTracker:
