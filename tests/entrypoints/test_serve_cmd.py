@@ -26,6 +26,20 @@ def test_flags_and_served_model_name():
     assert serve_cmd.served_name(args) == "ouro-1.4b"
     assert serve_cmd.served_name(_parse([])) == "tiny-ouro-stdlib"
     assert serve_cmd.served_name(_parse(["m", "--served-model-name", "x"])) == "x"
+    assert (args.chat_template, args.disable_log_stats, args.disable_log_requests) == (
+        None,
+        False,
+        False,
+    )
+    assert args.log_stats_interval == 10
+    logs = _parse(["--chat-template", "t.jinja", "--disable-log-stats", "--disable-log-requests",
+                   "--log-stats-interval", "2.5"])  # fmt: skip
+    assert (logs.chat_template, logs.disable_log_stats, logs.disable_log_requests) == (
+        "t.jinja",
+        True,
+        True,
+    )
+    assert logs.log_stats_interval == 2.5
 
 
 def test_serve_without_arguments_serves_the_packaged_model_and_stops_on_ctrl_c(tmp_path):
