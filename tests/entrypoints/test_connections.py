@@ -75,7 +75,8 @@ def test_a_500_keeps_the_connection_usable(server, monkeypatch):
         status, headers, body = _read_response(sock)
         assert status == 500
         error = json.loads(body)["error"]
-        assert error["type"] == "InternalServerError" and "secret" not in error["message"]
+        assert error["type"] == "InternalServerError" and error["code"] == 500
+        assert "secret" not in error["message"]
         if headers.get("connection") != "close":  # then the same connection must go on
             sock.sendall(_get("/health"))
             assert _read_response(sock)[0] == 200
@@ -89,7 +90,9 @@ def test_a_body_slower_than_the_body_read_timeout_gets_408(server):
         status, headers, body = _read_response(sock)
         assert status == 408 and headers["connection"] == "close"
         assert BODY_READ_TIMEOUT <= time.monotonic() - start < BODY_READ_TIMEOUT + 5
-        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "RequestTimeoutError" and error["code"] == 408
         assert _closed_within(sock, 5)
     assert httpx.get(server.url + "/health").status_code == 200
 

@@ -90,7 +90,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log_startup(engine.engine, served_model_name)
+        log_startup(engine.engine, served_model_name, model_dir)
         stats = None
         if log_stats:
             stats = asyncio.create_task(StatLogger(engine, metrics).run(log_stats_interval))
