@@ -46,9 +46,12 @@ def test_tokenize_prompt_and_detokenize_round_trip(server):
     resp = _post(server, "/tokenize", {"model": MODEL, "prompt": text})
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert set(body) == {"count", "max_model_len", "tokens"}
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"}
     assert body["tokens"] == tok.encode(text).ids and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == server.engine.max_model_len == 257
+    assert body["token_strs"] is None
+    strs = _post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert strs["tokens"] == body["tokens"] and "".join(strs["token_strs"]) == text
     back = _post(server, "/detokenize", {"model": MODEL, "tokens": body["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": text}
 

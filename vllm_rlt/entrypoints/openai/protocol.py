@@ -86,6 +86,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True  # messages: end with the assistant's turn
+    return_token_strs: bool = False  # also return each token's text
 
 
 class DetokenizeRequest(_Request):
@@ -173,6 +174,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

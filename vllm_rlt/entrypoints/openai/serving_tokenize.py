@@ -24,7 +24,10 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> TokenizeResponse:
     else:
         prompt = render_messages(state, req.messages, req.add_generation_prompt)
         ids = state.encode(prompt, add_special_tokens=bool(req.add_special_tokens))
-    return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+    strs = [state.token_text(t) for t in ids] if req.return_token_strs else None
+    return TokenizeResponse(
+        count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs
+    )
 
 
 def detokenize(state: ServerState, req: DetokenizeRequest) -> DetokenizeResponse:
