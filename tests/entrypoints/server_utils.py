@@ -3,6 +3,7 @@ subprocess (tests of the HTTP API)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -12,11 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.openai.api_server import build_app
 
 
 def tiny_engine(model_dir, **kw) -> LLMEngine:
@@ -24,6 +27,20 @@ def tiny_engine(model_dir, **kw) -> LLMEngine:
     kw.setdefault("block_size", 4)
     config = EngineConfig.from_kwargs(model=str(model_dir), device="cpu", dtype="float32", **kw)
     return LLMEngine(config)
+
+
+@contextlib.contextmanager
+def tiny_server(model_dir, model: str, api_key: str | None, **app_options):
+    """A tiny engine served on 127.0.0.1 (`srv.engine` is the engine), for a module fixture;
+    `app_options`: more `build_app` arguments."""
+    engine = tiny_engine(model_dir)
+    with ServerThread(build_app(engine, model, api_key=api_key, **app_options)) as srv:
+        srv.engine = engine
+        yield srv
+
+
+def openai_client(srv, api_key: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key, max_retries=0)
 
 
 def free_port() -> int:

@@ -9,8 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import ServerThread, read_metrics, tiny_engine, wait_idle
-from vllm_rlt.entrypoints.openai.api_server import build_app
+from tests.entrypoints.server_utils import openai_client, read_metrics, tiny_server, wait_idle
 from vllm_rlt.models.tiny import write_tiny_ouro
 
 MODEL = "tiny-test"
@@ -25,16 +24,14 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = tiny_engine(model_dir)  # 256 blocks of 4 positions over 4 planes: 256 positions
-    app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=4096)
-    with ServerThread(app) as srv:
-        srv.engine = engine
+    # 256 blocks of 4 positions over 4 planes: 256 positions
+    with tiny_server(model_dir, MODEL, KEY, max_body_bytes=4096) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server, KEY)
 
 
 def _create(client, **kw):

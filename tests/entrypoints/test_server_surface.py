@@ -10,8 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import ServerThread, tiny_engine
-from vllm_rlt.entrypoints.openai.api_server import build_app
+from tests.entrypoints.server_utils import openai_client, tiny_server
 from vllm_rlt.models.tiny import write_tiny_ouro
 
 MODEL = "tiny-surface"
@@ -23,16 +22,13 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = write_tiny_ouro(tmp_path_factory.mktemp("surface") / "tiny", seed=5)
-    engine = tiny_engine(model_dir)
-    app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=2048)
-    with ServerThread(app) as srv:
-        srv.engine = engine
+    with tiny_server(model_dir, MODEL, KEY, max_body_bytes=2048) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    return openai_client(server, KEY)
 
 
 def _post(server, path: str, body: dict, headers=AUTH) -> httpx.Response:
