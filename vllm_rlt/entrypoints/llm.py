@@ -15,8 +15,8 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """An engine for offline batched generation. `model` is an HF directory (default: a tiny
-    random Ouro); `engine_args` are the config fields (`max_num_seqs=`, `scheduling_mode=`, ...)."""
+    """An engine for offline batched generation. `model` is an HF directory (default: the
+    packaged tiny-ouro-stdlib); `engine_args` are the config fields (`max_num_seqs=`, ...)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
