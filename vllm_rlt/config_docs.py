@@ -28,7 +28,7 @@ name works in three places:
 - offline: `LLM(model_dir, max_num_seqs=8, wavefront_chunked_prefill=True)`
   (or `EngineConfig.from_kwargs(...)`);
 - `vllm-rlt generate` and `vllm-rlt serve`: the flag `--max-num-seqs 8`; a boolean field `foo`
-  is `--foo` / `--no-foo`; the model directory is the positional argument;
+  is `--foo` / `--no-foo`; the model directory is `MODEL` or `--model MODEL`;
 - `vllm-rlt generate --help` and `vllm-rlt serve --help` print the same descriptions.
 
 A value of the wrong type, or a combination the engine cannot run, fails at startup with a
@@ -76,12 +76,13 @@ def render() -> str:
         out.append("| setting | flag | type | default | description |")
         out.append("|---|---|---|---|---|")
         for f in dataclasses.fields(cls):
-            flag = "positional" if f.name == "model" else "`--" + f.name.replace("_", "-") + "`"
+            flag = "`MODEL`" if f.name == "model" else "`--" + f.name.replace("_", "-") + "`"
+            choices = f.metadata.get("choices")
+            kind = _type_name(hints[f.name])
+            if choices:
+                kind = "one of " + ", ".join(f"`{c}`" for c in choices)
             help_text = _cell(f.metadata.get("help", ""))
-            out.append(
-                f"| `{f.name}` | {flag} | {_type_name(hints[f.name])} | {_default(f)} "
-                f"| {help_text} |"
-            )
+            out.append(f"| `{f.name}` | {flag} | {kind} | {_default(f)} | {help_text} |")
     return "\n".join(out) + "\n"
 
 

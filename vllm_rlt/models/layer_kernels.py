@@ -32,11 +32,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from vllm_rlt.config import ConfigError
+from vllm_rlt.config import LAYER_KERNELS, ConfigError
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
 from vllm_rlt.tensor_utils import acc_dtype
 
-LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
 # where a layer's k and v go: (k_cache, v_cache [num_blocks, block_size, Hkv, d], slots [R])
 KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

@@ -21,12 +21,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
-from vllm_rlt.config import ConfigError
+from vllm_rlt.config import DTYPE_NAMES, LOAD_FORMATS, ConfigError
 from vllm_rlt.kernels import device_info
 from vllm_rlt.models import registry
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
 
 
 class CheckpointError(ConfigError):
@@ -99,6 +98,9 @@ def read_json_file(path: Path) -> dict[str, Any]:
 
 
 def read_config(model_dir: str | Path) -> object:
+    if not Path(model_dir).is_dir():
+        what = "is not a directory" if Path(model_dir).exists() else "does not exist"
+        raise CheckpointError(f"model directory {model_dir} {what}")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a model directory needs config.json")
@@ -133,7 +135,7 @@ def load_model(
 ) -> LoadedModel:
     """Build the model on `device` (default: CUDA when available) and read its weights.
     `attention_backend="auto"` picks triton on CUDA and torch on the CPU; `layer_kernels` is the
-    model's `LayerKernels` strategy (`vllm_rlt.models.layer_kernels.LAYER_KERNELS`)."""
+    model's `LayerKernels` strategy (`vllm_rlt.config.LAYER_KERNELS`)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_dir = Path(model_dir)
