@@ -1,14 +1,17 @@
-"""`vllm-rlt serve`: flags, the default model name, and a real start with no arguments (the
-packaged model) / Ctrl-C shutdown."""
+"""`vllm-rlt serve`: flags, the default model name, binding the port before anything else, and
+a real start with no arguments (the packaged model) / Ctrl-C shutdown."""
 
 from __future__ import annotations
 
 import argparse
 import signal
+import socket
+import subprocess
 
 import openai
+import pytest
 
-from tests.entrypoints.server_utils import ServeProcess
+from tests.entrypoints.server_utils import CLI, ServeProcess
 from vllm_rlt.entrypoints import serve_cmd
 
 
@@ -40,6 +43,30 @@ def test_flags_and_served_model_name():
         True,
     )
     assert logs.log_stats_interval == 2.5
+
+
+def test_bind_listens_on_the_port_or_exits_in_one_line():
+    with serve_cmd.bind("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # it listens already, before the server starts
+        with pytest.raises(SystemExit, match=f"^error: port {port} on 127.0.0.1: cannot listen: "):
+            serve_cmd.bind("127.0.0.1", port)
+    with pytest.raises(SystemExit, match="^error: host 'no-such-host.invalid' cannot be resolved"):
+        serve_cmd.bind("no-such-host.invalid", 8000)
+
+
+def test_a_port_in_use_ends_serve_before_it_claims_to_serve():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [*CLI, "serve", "--port", str(port), "--device", "cpu"]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert (
+        result.stderr == f"error: port {port} on 127.0.0.1: cannot listen: Address already in use\n"
+    )
 
 
 def test_serve_without_arguments_serves_the_packaged_model_and_stops_on_ctrl_c(tmp_path):

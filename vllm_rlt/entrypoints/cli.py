@@ -1,22 +1,32 @@
-"""The `vllm-rlt` command: one subcommand per module, each adding its own arguments."""
+"""The `vllm-rlt` command: one subcommand per module, each adding its own arguments.
+
+Usage errors (an unknown flag, a value outside a setting's choices) and settings the engine
+cannot start with end the command with one line on stderr and a non-zero status, no traceback.
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from vllm_rlt.entrypoints import generate_cmd, inspect_cmd, serve_cmd
+import vllm_rlt
+from vllm_rlt.entrypoints import cli_args, generate_cmd, inspect_cmd, serve_cmd
+
+
+def build_parser() -> cli_args.CLIParser:
+    parser = cli_args.CLIParser(
+        prog="vllm-rlt", description="Serving engine for recurrent-depth (looped) language models"
+    )
+    parser.add_argument("--version", action="version", version=f"vllm-rlt {vllm_rlt.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in (serve_cmd, generate_cmd, inspect_cmd):
+        command.add_parser(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vllm-rlt", description="Serving engine for recurrent-depth (looped) language models"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    inspect_cmd.add_parser(sub)
-    generate_cmd.add_parser(sub)
-    serve_cmd.add_parser(sub)
+    parser = build_parser()
     args = parser.parse_args(argv)
+    cli_args.resolve_model(args, args.parser)
     return args.func(args)
 
 

@@ -9,13 +9,11 @@ from vllm_rlt.entrypoints import cli_args
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text offline for one or more prompts")
-    p.add_argument(
-        "model", nargs="?", help="HF model directory (default: the packaged tiny-ouro-stdlib)"
-    )
+    cli_args.add_model_arg(p)
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     cli_args.add_sampling_args(p)
     cli_args.add_engine_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 def run(args: argparse.Namespace) -> int:

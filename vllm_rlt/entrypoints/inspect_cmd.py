@@ -9,36 +9,29 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
+from vllm_rlt.config import CacheConfig, ModelConfig
 from vllm_rlt.entrypoints import cli_args
-from vllm_rlt.models.loader import load_model
-from vllm_rlt.models.reference import DenseOuroReference
-from vllm_rlt.models.tiny import default_model_dir
-from vllm_rlt.worker.paged_executor import PagedExecutor
 
-CHECK_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+CHECK_TOL = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}  # by the model's dtype
+MODEL_FLAGS = ("dtype", "device", "load_format", "attention_backend", "layer_kernels")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="per-depth predictions and exit gate for a prompt")
-    p.add_argument(
-        "model", nargs="?", help="HF model directory (default: the packaged tiny-ouro-stdlib)"
-    )
+    cli_args.add_model_arg(p)
     p.add_argument("--prompt", default="def fibonacci(n):", help="text to inspect")
     p.add_argument("--top-k", type=int, default=5, help="tokens shown per depth")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) or a name")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--load-format", default="auto", help="auto/safetensors or dummy weights")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--block-size", type=int, default=16, help="KV positions per block")
     p.add_argument("--check", action="store_true", help="compare with the dense reference")
-    p.set_defaults(func=run)
+    cli_args.add_config_args(p, ModelConfig, names=MODEL_FLAGS)
+    cli_args.add_config_args(p, CacheConfig, names=("block_size",))
+    p.set_defaults(func=run, parser=p)
 
 
-def exit_distribution(gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def exit_distribution(gate_logits):
     """gate_logits [D] -> (p_t, CDF_t): p_t = l_t prod_{j<t}(1 - l_j), the last loop takes the
     remaining mass."""
+    import torch
+
     lam = torch.sigmoid(gate_logits.double())
     survive = torch.cumprod(torch.cat([lam.new_ones(1), 1 - lam[:-1]]), 0)
     p = lam * survive
@@ -47,26 +40,32 @@ def exit_distribution(gate_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_rlt.models.loader import load_model
+    from vllm_rlt.models.tiny import default_model_dir
+
     try:  # bad settings or model files: one line, no traceback
+        settings = ModelConfig(**cli_args.config_kwargs(args, [ModelConfig]))
+        block_size = CacheConfig(**cli_args.config_kwargs(args, [CacheConfig])).block_size
         loaded = load_model(
             args.model or default_model_dir(),
-            dtype=args.dtype,
-            device=args.device,
-            load_format=args.load_format,
-            attention_backend=args.attention_backend,
+            **{name: getattr(settings, name) for name in MODEL_FLAGS},
         )
     except ValueError as err:
         raise cli_args.error_exit(err) from None
-    return report(loaded, args)
+    return report(loaded, args, block_size)
 
 
-def report(loaded, args: argparse.Namespace) -> int:
+def report(loaded, args: argparse.Namespace, block_size: int) -> int:
+    import torch
+
+    from vllm_rlt.worker.paged_executor import PagedExecutor
+
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode(args.prompt).ids if tok is not None else [int(x) for x in args.prompt.split()]
     if not ids:
         raise SystemExit("the prompt encodes to no tokens")
-    blocks = -(-len(ids) // args.block_size) * model.num_loops
-    executor = PagedExecutor.create(model, blocks, args.block_size)
+    blocks = -(-len(ids) // block_size) * model.num_loops
+    executor = PagedExecutor.create(model, blocks, block_size)
     states, gates = executor.prefill_all_depths("inspect", ids)
     last_states, last_gates = states[:, -1], gates[:, -1]
     with torch.inference_mode():
@@ -94,6 +93,10 @@ def report(loaded, args: argparse.Namespace) -> int:
 
 
 def check(model, ids, states, gates, dtype) -> int:
+    import torch
+
+    from vllm_rlt.models.reference import DenseOuroReference
+
     with torch.inference_mode():
         ref = DenseOuroReference.from_model(model).run(ids)
         logits = model.coda(states)
@@ -106,7 +109,7 @@ def check(model, ids, states, gates, dtype) -> int:
         "gate": err(gates, ref.gate_logits),
         "logits": err(logits, ref.logits),
     }
-    tol = CHECK_TOL[dtype]
+    tol = CHECK_TOL[str(dtype).removeprefix("torch.")]
     ok = all(e <= tol for e in errors.values())
     shown = ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
     print(

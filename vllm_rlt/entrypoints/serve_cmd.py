@@ -1,9 +1,15 @@
-"""`vllm-rlt serve`: the OpenAI-compatible HTTP server (uvicorn) around one engine."""
+"""`vllm-rlt serve`: the OpenAI-compatible HTTP server (uvicorn) around one engine.
+
+The listening socket is bound before the model loads, so that a port in use (or a host that is
+not this machine's) ends the command at once with one line, and "serving on" is printed only once
+the server holds its port.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -15,12 +21,12 @@ from vllm_rlt.entrypoints.openai.serving_common import DEFAULT_BODY_READ_TIMEOUT
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API over HTTP")
-    p.add_argument(
-        "model", nargs="?", help="HF model directory (default: the packaged tiny-ouro-stdlib)"
-    )
+    cli_args.add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument("--port", type=cli_args.port, default=8000, help="port to listen on (0: any)")
+    p.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (default: none)"
+    )
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -87,7 +93,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="do not log a line when each request arrives and when it ends",
     )
     cli_args.add_engine_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -98,6 +104,23 @@ def served_name(args: argparse.Namespace) -> str:
     from vllm_rlt.models.tiny import default_model_dir
 
     return default_model_dir().name
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on (host, port); exits with one line when it cannot."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as err:
+        raise cli_args.error_exit(f"host {host!r} cannot be resolved: {err.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise cli_args.error_exit(f"port {port} on {host}: cannot listen: {err.strerror}") from None
+    return sock
 
 
 def run(args: argparse.Namespace) -> NoReturn:
@@ -118,6 +141,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     if args.log_stats_interval <= 0:
         raise SystemExit("error: log_stats_interval must be > 0")
     name = served_name(args)
+    sock = bind(args.host, args.port)
     try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
         app = build_app(
@@ -135,15 +159,16 @@ def run(args: argparse.Namespace) -> NoReturn:
         )
     except ValueError as err:
         raise cli_args.error_exit(err) from None
-    print(f"vllm-rlt: serving {name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    port = sock.getsockname()[1]
+    print(f"vllm-rlt: serving {name!r} on http://{args.host}:{port}/v1", flush=True)
     server = GracefulServer(
         app,
         host=args.host,
-        port=args.port,
+        port=port,
         shutdown_timeout=args.shutdown_timeout,
         timeout_keep_alive=args.timeout_keep_alive,
     )
-    server.run()
+    server.run(sockets=[sock])
     failed = server.engine_failed  # then exit non-zero, so that a supervisor restarts the server
     print(f"vllm-rlt: server stopped{': the engine failed' if failed else ''}", flush=True)
     sys.stderr.flush()
