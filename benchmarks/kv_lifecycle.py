@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
-from benchmarks.offline_throughput import pct
 from benchmarks.provenance import commit, engine_digest
 from benchmarks.wcpb_matrix import release_device_memory
+from vllm_rlt.benchmarks.metrics import percentiles
 from vllm_rlt.config import CacheConfig, EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
@@ -143,8 +143,8 @@ def drive(
         "wall_s": wall,
         "request_throughput": len(done) / wall,
         "output_tok_s": float(toks.sum()) / wall,
-        "ttft_s": pct(ttft),
-        "tpot_s": pct(((e2e - ttft) / np.maximum(toks - 1, 1))[toks > 1]),
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(((e2e - ttft) / np.maximum(toks - 1, 1))[toks > 1]),
         "num_kv_blocks": engine.kv_manager.num_total_blocks,
         "preemptions": preempt,
         "prefix_queries": queries,

@@ -4,7 +4,8 @@ For each concurrency c: 2c requests of `--prompt-len` random token ids and `--ou
 forced outputs (ignore EOS, fixed depth) are submitted at once to an engine with
 max_num_seqs = c. Reports request/token throughput, TTFT/TPOT percentiles, and - from a profiled
 window of decode steps of c more requests, once their prompts are done - host time vs GPU time
-per step, the GPU busy fraction and GPU time per kernel name.
+per step, the GPU busy fraction and GPU time per kernel name. (`vllm-rlt bench throughput` is
+the installed package's offline throughput on any model, without the profiled window.)
 
     python -m benchmarks.offline_throughput --concurrency 1 8 32 --out results.json
     python -m benchmarks.offline_throughput --concurrency 1 8 32 --enforce-eager --out eager.json
@@ -24,40 +25,17 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
-from benchmarks.serving.metrics import device_time_by_name, gpu_busy_seconds
 from benchmarks.wcpb_matrix import add_async_scheduling_flag
+from vllm_rlt.benchmarks.metrics import device_time_by_name, gpu_busy_seconds, summarize
+from vllm_rlt.benchmarks.throughput import run_requests
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.sampling_params import SamplingParams
 
 
-def run_requests(engine: LLMEngine, prompts, output_len: int):
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"q{time.perf_counter_ns()}-{i}", p, params, arrival_time=start)
-    first, done = {}, {}
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            first.setdefault(o.request_id, now)
-            if o.finished:
-                done[o.request_id] = now
-    wall = time.perf_counter() - start
-    ttft = np.array([first[r] - start for r in done])
-    e2e = np.array([done[r] - start for r in done])
-    tpot = (e2e - ttft) / max(1, output_len - 1)
-    return wall, ttft, tpot
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def pct(a: np.ndarray) -> dict[str, float]:
-    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} | {"mean": float(a.mean())}
 
 
 def bench(args, concurrency: int, model_dir: Path) -> dict:
@@ -86,7 +64,8 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
     run_requests(engine, make(2 * concurrency), args.output_len)
     _sync()
     prompts = make(2 * concurrency)
-    wall, ttft, tpot = run_requests(engine, prompts, args.output_len)
+    records, wall = run_requests(engine, prompts, args.output_len)
+    summary = summarize(records, wall)
     steps_before = engine.stats.steps
     # profiled window: `--profile-steps` decode steps of `concurrency` fresh requests, from
     # their first token on (prefill done); host time per step vs GPU time
@@ -122,9 +101,9 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
         "request_throughput": len(prompts) / wall,
         "output_tok_s": n_out / wall,
         "total_tok_s": len(prompts) * (args.prompt_len + args.output_len) / wall,
-        "ttft_s": pct(ttft),
-        "tpot_s": pct(tpot),
-        "decode_tok_s_per_request": float(1.0 / np.median(tpot)),
+        "ttft_s": summary["ttft_s"],
+        "tpot_s": summary["tpot_s"],
+        "decode_tok_s_per_request": 1.0 / summary["tpot_s"]["p50"],
         "profiled": {
             "wall_s": prof_wall,
             "steps": len(step_times),

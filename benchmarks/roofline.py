@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.model_shapes import SHAPES
-from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import INPUTS, MODES, PROFILES
+from vllm_rlt.benchmarks.workload import build_workload
 
 # Measured on the H200 (docs/benchmarks/README.md §4)
 COPY_GBPS = 4245.8

@@ -19,9 +19,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import INPUTS, MODES, add_async_scheduling_flag, mode_settings
 from vllm_rlt.attention.metadata import tile_rows_for
+from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken

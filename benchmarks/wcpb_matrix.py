@@ -45,9 +45,9 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
-from benchmarks.serving.drivers import gpu_activity, run_inprocess
-from benchmarks.serving.metrics import engine_counters, summarize
-from benchmarks.serving.workload import build_workload
+from vllm_rlt.benchmarks.drivers import gpu_activity, run_inprocess
+from vllm_rlt.benchmarks.metrics import engine_counters, summarize
+from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.config import EngineConfig, SchedulerConfig
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine

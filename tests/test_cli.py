@@ -14,7 +14,8 @@ import vllm_rlt
 from vllm_rlt.entrypoints import cli_args
 from vllm_rlt.entrypoints.cli import build_parser, main
 
-COMMANDS = [("serve",), ("generate",), ("inspect",)]
+COMMANDS = [("serve",), ("generate",), ("inspect",), ("bench", "serve"), ("bench", "throughput"),
+            ("bench", "latency")]  # fmt: skip
 
 
 def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:
@@ -96,6 +97,9 @@ def test_model_as_positional_or_flag(capsys):
         args = parser.parse_args(argv)
         cli_args.resolve_model(args, args.parser)
         assert args.model == "m" and "model_option" not in vars(args)
+    args = parser.parse_args(["bench", "latency", "--model", "m"])
+    cli_args.resolve_model(args, args.parser)
+    assert args.model == "m"
     err = _usage_error(["generate", "a", "--model", "b", "--prompt", "x"], capsys)
     assert err.startswith("vllm-rlt generate: error: the model is given twice")
     assert "MODEL 'a' and --model 'b'" in err
@@ -109,6 +113,8 @@ def test_settings_the_engine_cannot_run_with_are_one_line(tmp_path):
     missing = str(tmp_path / "nope")
     assert f"model directory {missing} does not exist" in _setting_error([*run, "--model", missing])
     assert "does not exist" in _setting_error(["inspect", missing])
+    empty = _setting_error(["bench", "latency", "--batch-size", "0", "--device", "cpu"])
+    assert "batch_size must be > 0, got 0" in empty
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

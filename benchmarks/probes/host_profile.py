@@ -30,13 +30,13 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
-from benchmarks.serving.workload import build_workload
 from benchmarks.wcpb_matrix import (
     INPUTS,
     add_async_scheduling_flag,
     cell_config,
     release_device_memory,
 )
+from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.sampling_params import SamplingParams

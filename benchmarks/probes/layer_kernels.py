@@ -39,8 +39,8 @@ import torch
 import triton
 
 from benchmarks.model_shapes import write_shape
-from benchmarks.serving.metrics import device_time_by_name
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
+from vllm_rlt.benchmarks.metrics import device_time_by_name
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16

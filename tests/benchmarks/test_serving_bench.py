@@ -1,4 +1,5 @@
-"""The serving benchmark's workloads, in-process driver and metrics on the tiny model."""
+"""The serving benchmark's workloads, in-process driver and metrics on the tiny model, and the
+WCPB matrix built on them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.serving.__main__ import main
-from benchmarks.serving.drivers import run_inprocess
-from benchmarks.serving.metrics import RequestRecord, gpu_busy_seconds, summarize
-from benchmarks.serving.workload import build_workload
+from vllm_rlt.benchmarks.drivers import run_inprocess
+from vllm_rlt.benchmarks.metrics import RequestRecord, gpu_busy_seconds, summarize
+from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
+from vllm_rlt.entrypoints.cli import main
 from vllm_rlt.models.tiny import write_tiny_ouro
 
 
@@ -68,11 +69,11 @@ def test_inprocess_driver_records_every_token(tmp_path):
 def test_cli_writes_results_with_engine_counters(tmp_path):
     model = write_tiny_ouro(tmp_path / "m")
     out = tmp_path / "r.json"
-    argv = [str(model), "--profile", "concurrent", "--num-requests", "4", "--input-lens", "9",
-            "--output-len", "3", "--concurrency", "2", "--device", "cpu", "--num-kv-blocks", "128",
-            "--block-size", "4", "--wavefront-chunked-prefill", "--prefill-chunk-size", "4",
-            "--out", str(out)]  # fmt: skip
-    main(argv)
+    argv = ["bench", "serve", str(model), "--profile", "concurrent", "--num-requests", "4",
+            "--input-lens", "9", "--output-len", "3", "--concurrency", "2", "--device", "cpu",
+            "--num-kv-blocks", "128", "--block-size", "4", "--wavefront-chunked-prefill",
+            "--prefill-chunk-size", "4", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
     result = json.loads(out.read_text())
     assert result["summary"]["completed"] == 4
     engine = result["engine"]

@@ -3,7 +3,8 @@
 `run_inprocess` talks to an `AsyncLLMEngine` in this process; `run_http` streams from an
 OpenAI-compatible `/v1/completions` endpoint. A chunk is an engine output with new tokens
 (in-process) or an SSE event that carries choices (HTTP), as BENCHMARKS.md defines TTFT and ITL.
-`gpu_activity` measures the GPU busy time of whatever runs inside it (CUDA only).
+`gpu_activity` measures the GPU busy time of whatever runs inside it (CUDA only). `on_done`, when
+given, is called as each request ends (live progress).
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from benchmarks.serving.metrics import RequestRecord, device_time_by_name, gpu_busy_seconds
-from benchmarks.serving.workload import RequestSpec, Workload
+from vllm_rlt.benchmarks.metrics import RequestRecord, device_time_by_name, gpu_busy_seconds
+from vllm_rlt.benchmarks.workload import RequestSpec, Workload
 from vllm_rlt.sampling_params import SamplingParams
 
 SendFn = Callable[[int, RequestSpec, RequestRecord], Awaitable[None]]
+OnDone = Callable[[], None] | None
 
 
-async def _replay(workload: Workload, send: SendFn) -> tuple[list[RequestRecord], float]:
+async def _replay(
+    workload: Workload, send: SendFn, on_done: OnDone
+) -> tuple[list[RequestRecord], float]:
     """Send each request at its arrival offset, at most `concurrency` in flight; the wait for
     the semaphore is not counted in TTFT."""
     gate = asyncio.Semaphore(workload.concurrency)
@@ -41,6 +45,8 @@ async def _replay(workload: Workload, send: SendFn) -> tuple[list[RequestRecord]
                 await send(i, spec, rec)
             except Exception:
                 rec.ok = False
+            if on_done is not None:
+                on_done()
 
     await asyncio.gather(*(one(i, s) for i, s in enumerate(workload.requests)))
     return records, time.perf_counter() - start
@@ -66,7 +72,7 @@ def gpu_activity():
         result["gpu_kernels"] = device_time_by_name(events)[:20]
 
 
-async def run_inprocess(engine, workload: Workload, tag: str = "bench"):
+async def run_inprocess(engine, workload: Workload, tag: str = "bench", on_done: OnDone = None):
     """Replay `workload` against an AsyncLLMEngine; returns (records, duration_s)."""
 
     async def send(i: int, spec: RequestSpec, rec: RequestRecord) -> None:
@@ -79,10 +85,16 @@ async def run_inprocess(engine, workload: Workload, tag: str = "bench"):
                 seen = n
         rec.output_tokens = seen
 
-    return await _replay(workload, send)
+    return await _replay(workload, send, on_done)
 
 
-async def run_http(base_url: str, model: str, workload: Workload, api_key: str | None = None):
+async def run_http(
+    base_url: str,
+    model: str,
+    workload: Workload,
+    api_key: str | None = None,
+    on_done: OnDone = None,
+):
     """Replay `workload` against `{base_url}/v1/completions` with streaming."""
     import httpx
 
@@ -110,4 +122,4 @@ async def run_http(base_url: str, model: str, workload: Workload, api_key: str |
                     if event.get("usage"):
                         rec.output_tokens = event["usage"]["completion_tokens"]
 
-        return await _replay(workload, send)
+        return await _replay(workload, send, on_done)

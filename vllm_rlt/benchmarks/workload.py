@@ -45,6 +45,8 @@ def build_workload(
     the concurrency cap pace them."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    counts = {"num_requests": num_requests, "concurrency": concurrency, "rate": rate}
+    check_positive(input_lens=min(input_lens), output_len=output_len, **counts)
     rng = np.random.default_rng(seed)
     if cycle:
         lens = np.resize(np.asarray(input_lens), num_requests)
@@ -59,3 +61,10 @@ def build_workload(
         for n, t in zip(lens, arrivals, strict=True)
     )
     return Workload(profile, 1 if profile == "serial" else concurrency, specs)
+
+
+def check_positive(**values: float) -> None:
+    """ValueError naming the first of `values` that is not > 0."""
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")

@@ -1,9 +1,11 @@
-"""Per-request records and the metrics of BENCHMARKS.md (vLLM `bench serve` definitions)."""
+"""Per-request records and the metrics of BENCHMARKS.md (vLLM `bench serve` definitions), and
+the percentile table the `vllm-rlt bench` commands print."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,13 +28,34 @@ class RequestRecord:
         return self.chunk_s[-1] - self.send_s
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    if len(values) == 0:
         return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
     a = np.asarray(values, dtype=np.float64)
     out = {"mean": float(a.mean())}
     out.update({f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)})
     return out
+
+
+def percentile_table(rows: dict[str, dict[str, float]]) -> str:
+    """A text table of `percentiles()` results in milliseconds, one row per metric."""
+    columns = ("mean", "p50", "p90", "p99")
+    width = max(len(name) for name in rows)
+    lines = [f"{'(ms)':<{width}}" + "".join(f"{c:>11}" for c in columns)]
+    for name, values in rows.items():
+        lines.append(f"{name:<{width}}" + "".join(f"{values[c] * 1e3:>11.2f}" for c in columns))
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict) -> str:
+    """A summary's numbers, one per line, then its percentiles (the `*_s` dicts) as a table."""
+    lines = [
+        f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}"
+        for name, value in summary.items()
+        if not isinstance(value, dict)
+    ]
+    rows = {k.removesuffix("_s").upper(): v for k, v in summary.items() if isinstance(v, dict)}
+    return "\n".join([*lines, percentile_table(rows)])
 
 
 def summarize(records: list[RequestRecord], duration_s: float) -> dict:
