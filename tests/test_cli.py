@@ -113,6 +113,7 @@ def test_settings_the_engine_cannot_run_with_are_one_line(tmp_path):
     missing = str(tmp_path / "nope")
     assert f"model directory {missing} does not exist" in _setting_error([*run, "--model", missing])
     assert "does not exist" in _setting_error(["inspect", missing])
+    assert "prompt '' encodes to no tokens" in _setting_error(["inspect", "--prompt", ""])
     empty = _setting_error(["bench", "latency", "--batch-size", "0", "--device", "cpu"])
     assert "batch_size must be > 0, got 0" in empty
 

@@ -90,6 +90,9 @@ def test_bench_reports_bad_values_in_one_line():
     with pytest.raises(SystemExit) as info:
         main(["bench", "throughput", "--num-prompts", "0", *ENGINE])
     assert info.value.code == "error: num_prompts must be > 0, got 0"
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "serve", "--backend", "http", "--base-url", "http://127.0.0.1:1"])
+    assert str(info.value.code).startswith("error: base_url http://127.0.0.1:1: no server answers")
 
 
 def test_the_repository_entry_point_runs_bench_serve():

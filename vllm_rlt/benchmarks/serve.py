@@ -78,6 +78,16 @@ async def _inprocess(args: argparse.Namespace, engine_kwargs: dict, on_done: OnD
     return result
 
 
+def _check_server(base_url: str) -> None:
+    """ValueError naming `base_url` when no server answers there."""
+    import httpx
+
+    try:
+        httpx.get(base_url.rstrip("/") + "/health", timeout=10)
+    except httpx.TransportError as err:
+        raise ValueError(f"base_url {base_url}: no server answers ({err})") from None
+
+
 async def _http(args: argparse.Namespace, on_done: OnDone) -> dict:
     workload = _workload(args, args.vocab_size)
     name, key = args.served_model_name, args.api_key
@@ -87,6 +97,8 @@ async def _http(args: argparse.Namespace, on_done: OnDone) -> dict:
 
 def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict:
     """The result: `summary` (throughput and percentiles), and in-process `engine` counters."""
+    if args.backend == "http":
+        _check_server(args.base_url)
     with tqdm(total=args.num_requests, desc="requests", unit="req") as bar:
         done = lambda: bar.update(1)  # noqa: E731
         if args.backend == "http":

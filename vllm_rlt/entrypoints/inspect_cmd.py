@@ -63,7 +63,7 @@ def report(loaded, args: argparse.Namespace, block_size: int) -> int:
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode(args.prompt).ids if tok is not None else [int(x) for x in args.prompt.split()]
     if not ids:
-        raise SystemExit("the prompt encodes to no tokens")
+        raise cli_args.error_exit(f"prompt {args.prompt!r} encodes to no tokens")
     blocks = -(-len(ids) // block_size) * model.num_loops
     executor = PagedExecutor.create(model, blocks, block_size)
     states, gates = executor.prefill_all_depths("inspect", ids)
