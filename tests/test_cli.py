@@ -124,3 +124,14 @@ def test_console_reports_cuda_without_a_gpu_in_one_line_without_traceback():
     result = subprocess.run([*argv, "--port", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr == "error: device='cuda' but no CUDA GPU is available; use device='cpu'\n"
+
+
+def test_ctrl_c_ends_a_command_in_one_line(monkeypatch, capsys):
+    from vllm_rlt.entrypoints import generate_cmd
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_cmd, "run", interrupted)
+    assert main(["generate", "--prompt", "x"]) == 130
+    assert capsys.readouterr().err == "vllm-rlt: interrupted\n"

@@ -1,7 +1,8 @@
 """The `vllm-rlt` command: one subcommand per module, each adding its own arguments.
 
 Usage errors (an unknown flag, a value outside a setting's choices) and settings the engine
-cannot start with end the command with one line on stderr and a non-zero status, no traceback.
+cannot start with end the command with one line on stderr and a non-zero status, no traceback;
+so does Ctrl-C (status 130).
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cli_args.resolve_model(args, args.parser)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while a model loads or a benchmark runs: no traceback
+        print("vllm-rlt: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
