@@ -135,3 +135,16 @@ def test_ctrl_c_ends_a_command_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(generate_cmd, "run", interrupted)
     assert main(["generate", "--prompt", "x"]) == 130
     assert capsys.readouterr().err == "vllm-rlt: interrupted\n"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["serve", "--help"], ["bench", "serve", "--help"]])
+def test_version_and_help_load_no_torch(argv):
+    """`--version` and every `--help` answer at once: torch (and Triton) stay unimported."""
+    code = (
+        "import sys; sys.modules['torch'] = sys.modules['triton'] = None\n"
+        "from vllm_rlt.entrypoints.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit as done:\n    sys.exit(done.code)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()

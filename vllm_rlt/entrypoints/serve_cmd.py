@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from vllm_rlt.entrypoints import cli_args
-from vllm_rlt.entrypoints.openai.server_log import DEFAULT_LOG_STATS_INTERVAL_S
-from vllm_rlt.entrypoints.openai.serving_common import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_N
+from vllm_rlt.entrypoints.openai.defaults import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_LOG_STATS_INTERVAL_S,
+    DEFAULT_MAX_N,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

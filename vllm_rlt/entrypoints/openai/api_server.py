@@ -21,6 +21,11 @@ from starlette.responses import JSONResponse, Response
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
+from vllm_rlt.entrypoints.openai.defaults import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_LOG_STATS_INTERVAL_S,
+    DEFAULT_MAX_N,
+)
 from vllm_rlt.entrypoints.openai.errors import APIError
 from vllm_rlt.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm_rlt.entrypoints.openai.middleware import CatchAll, Drain, DrainGate
@@ -32,18 +37,9 @@ from vllm_rlt.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from vllm_rlt.entrypoints.openai.server_log import (
-    DEFAULT_LOG_STATS_INTERVAL_S,
-    StatLogger,
-    log_startup,
-)
+from vllm_rlt.entrypoints.openai.server_log import StatLogger, log_startup
 from vllm_rlt.entrypoints.openai.serving_chat import create_chat_completion
-from vllm_rlt.entrypoints.openai.serving_common import (
-    DEFAULT_BODY_READ_TIMEOUT_S,
-    DEFAULT_MAX_N,
-    ServerState,
-    read_json,
-)
+from vllm_rlt.entrypoints.openai.serving_common import ServerState, read_json
 from vllm_rlt.entrypoints.openai.serving_completion import create_completion
 from vllm_rlt.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from vllm_rlt.models.tiny import default_model_dir

@@ -17,7 +17,6 @@ from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-DEFAULT_LOG_STATS_INTERVAL_S = 10.0  # seconds between stats lines (--log-stats-interval)
 MAX_LOGGED_IDS = 32  # prompt token ids shown per request line
 
 

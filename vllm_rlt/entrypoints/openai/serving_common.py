@@ -23,9 +23,6 @@ from vllm_rlt.entrypoints.openai.server_log import log_finished, log_received
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams, check_text
 
-DEFAULT_MAX_N = 16  # most samples one request may ask for (--max-n)
-DEFAULT_BODY_READ_TIMEOUT_S = 30.0  # seconds a body may take to arrive (--body-read-timeout)
-
 
 @dataclass
 class ServerState:
