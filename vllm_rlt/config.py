@@ -177,11 +177,10 @@ class SchedulerConfig:
         "decode rows leave)",
         default=None,
     )
-
     max_context_with_decode: int = _help(
         "decode rows share invocations with prefill rows only while no prompt in prefill is "
         "longer than this and no decoding request is past this position; otherwise decode "
-        "steps (all their loops) and one-loop prefill invocations of the whole budget alternate "
+        "steps (all their loops) and prefill batches of the whole budget alternate "
         "(fixed-depth decoding only). A mixed invocation lasts as long as its longest-context "
         "row; on the H200 a decode row riding beside prefill rows of more context than this "
         "costs more than a decode invocation of its own (0: always apart; max_model_len or "

@@ -2,7 +2,8 @@
 
 `run_inprocess` talks to an `AsyncLLMEngine` in this process; `run_http` streams from an
 OpenAI-compatible `/v1/completions` endpoint. A chunk is an engine output with new tokens
-(in-process) or an SSE event that carries choices (HTTP), as BENCHMARKS.md defines TTFT and ITL.
+(in-process) or an SSE event that carries choices (HTTP), as docs/benchmarks/README.md §2 defines
+TTFT and ITL.
 `gpu_activity` measures the GPU busy time of whatever runs inside it (CUDA only). `on_done`, when
 given, is called as each request ends (live progress).
 """

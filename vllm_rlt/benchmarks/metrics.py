@@ -1,5 +1,5 @@
-"""Per-request records and the metrics of BENCHMARKS.md (vLLM `bench serve` definitions), and
-the percentile table the `vllm-rlt bench` commands print."""
+"""Per-request records and the metrics of docs/benchmarks/README.md §2 (vLLM `bench serve`
+definitions), and the percentile table the `vllm-rlt bench` commands print."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
 
 def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
     """Engine counters of one run (`EngineStats.as_dict()` before and after it) and the ratios
-    of BENCHMARKS.md: rows per invocation, prefill rows per prefill invocation, invocations per
-    request (whose Split / WCPB quotient is the invocation bound)."""
+    of docs/benchmarks/README.md §2: rows per invocation, prefill rows per prefill invocation,
+    invocations per request (whose Split / WCPB quotient is the invocation bound)."""
     counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
 
     def ratio(a: str, b: str) -> float:

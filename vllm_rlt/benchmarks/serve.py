@@ -1,7 +1,7 @@
 """`vllm-rlt bench serve`: replay a workload (serial, concurrent, or Poisson arrivals) against the
 async engine in this process or a server's streaming `/v1/completions`, and measure TTFT, TPOT,
-ITL and E2E per BENCHMARKS.md. In-process runs add the engine's counters (rows per invocation,
-tasks per invocation, prefill rows per prefill invocation, loops per token).
+ITL and E2E (docs/benchmarks/README.md §2). In-process runs add the engine's counters (rows per
+invocation, tasks per invocation, prefill rows per prefill invocation, loops per token).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workload profiles: serial, concurrent, Poisson arrival with a concurrency cap (BENCHMARKS.md).
+"""Workload profiles: serial, concurrent, Poisson arrival with a concurrency cap.
 
 Prompts are seeded random token ids; the output length is forced (ignore EOS) so every mode does
 the same work.

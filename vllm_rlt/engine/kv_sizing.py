@@ -151,10 +151,9 @@ def resolve_max_model_len(
     return requested
 
 
-def log_kv_cache(blocks: KVBlocks, block_size: int, num_planes: int, max_model_len: int) -> None:
-    """The start log line: blocks, positions per plane and how many requests of
+def log_kv_cache(blocks: KVBlocks, positions: int, num_planes: int, max_model_len: int) -> None:
+    """The start log line: blocks, `positions` per plane and how many requests of
     `max_model_len` positions the cache holds at once."""
-    positions = blocks.num_blocks // num_planes * block_size
     logger.info(
         "KV cache: %d blocks (%s), %d positions per plane x %d planes; maximum concurrency for "
         "%d tokens per request: %.2fx",

@@ -99,20 +99,18 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             num_blocks, cc.block_size, cc.kv_layout, self.num_loops, cc.enable_prefix_caching
         )
+        per_plane = self.kv_manager.max_tokens_per_request()  # positions of one plane
         # the longest request (prompt + output positions) add_request accepts
         self.max_model_len = resolve_max_model_len(
-            mc.max_model_len,
-            c.max_position_embeddings,
-            self.kv_manager.max_tokens_per_request(),
-            blocks,
+            mc.max_model_len, c.max_position_embeddings, per_plane, blocks
         )
-        log_kv_cache(blocks, cc.block_size, num_planes, self.max_model_len)
+        log_kv_cache(blocks, per_plane, num_planes, self.max_model_len)
         kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
         graphs = None
         if specs:
-            max_context = min(self.max_model_len, self.kv_manager.max_tokens_per_request())
+            max_context = min(self.max_model_len, per_plane)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
         self.runner = ModelRunner(self.model, kv_cache, states, num_planes, graphs, tile_rows)
         self.outputs = OutputProcessor(self.tokenizer)
