@@ -21,7 +21,7 @@ Two floors: the phases' floors added (each the larger of its compute and memory)
 whose prefill and decode run in separate invocations, and the larger of the whole run's compute
 and memory, for one that hides either completely under the other.
 
-    python -m benchmarks.roofline docs/benchmarks/wcpb-matrix/serial-arrival/results.json
+    python -m benchmarks.roofline docs/benchmarks/wcpb-matrix/arrival/results.json
     python -m benchmarks.roofline --offline docs/benchmarks/offline-throughput/run1.json
 """
 
