@@ -112,7 +112,7 @@ def graph_bytes(
     measured = _used(device) - used_before
     del runner, kv
     torch.cuda.empty_cache()
-    row_bytes = model.config.hidden_size * model.lm_head.weight.dtype.itemsize + 4  # + fp32 gate
+    row_bytes = model.state_size * model.lm_head.weight.dtype.itemsize + 4  # + fp32 gate
     return measured + sum(s.num_rows for s in specs if s != largest) * row_bytes
 
 

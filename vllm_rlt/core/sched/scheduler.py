@@ -380,7 +380,7 @@ class Scheduler:
             return
         req.decode = None
         req.ready_loops = tok.loops_done
-        if tok.loops_done < self.kv.num_planes:
+        if tok.loops_done < self.kv.num_loop_planes:
             self._exits.append((req.request_id, tok.position, tok.loops_done - 1))
 
 
