@@ -116,7 +116,9 @@ class LLMEngine:
         log_kv_cache(blocks, per_plane, num_planes, self.max_model_len)
         kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
-        self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
+        self.scheduler = Scheduler(
+            sc, self.kv_manager, exit_policy, self.num_loops, self.model.requires_atomic_prefill
+        )
         graphs = None
         if specs:
             max_context = min(self.max_model_len, per_plane)

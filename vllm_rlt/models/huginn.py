@@ -32,7 +32,7 @@ from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.config import LAYER_KERNELS, ConfigError
 from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.layers import RMSNorm
-from vllm_rlt.tensor_utils import counter_uniform
+from vllm_rlt.tensor_utils import acc_dtype, counter_uniform
 
 # fp32 tolerance of a checkpoint's `freqs_cis` against the recomputed table (the angles reach
 # 4096 rad, where fp32 rounding of the angle alone is ~2e-4)
@@ -47,10 +47,12 @@ def rope_table(head_dim: int, num_positions: int, base: float) -> torch.Tensor:
 
 
 def rotate_interleaved(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x [R, heads, d] rotated by adjacent pairs (2i, 2i + 1) in fp32; table: [R, 1, d/2, 2]."""
-    x32 = x.float().unflatten(-1, (-1, 2))
+    """x [R, heads, d] rotated by adjacent pairs (2i, 2i + 1) in fp32 (fp64 for fp64); table:
+    [R, 1, d/2, 2] fp32."""
+    acc = acc_dtype(x.dtype)
+    x32 = x.to(acc).unflatten(-1, (-1, 2))
     x0, x1 = x32[..., 0], x32[..., 1]
-    cos, sin = table[..., 0], table[..., 1]
+    cos, sin = table[..., 0].to(acc), table[..., 1].to(acc)
     return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(-2).to(x.dtype)
 
 
@@ -174,6 +176,12 @@ class HuginnForCausalLM(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         table = rope_table(config.head_dim, config.block_size, config.rope_base)
         self.register_buffer("rope", table, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        rope = self.rope
+        super()._apply(fn, recurse)
+        self.rope = rope.to(self.rope.device)  # fp32 (the reference's) whatever the weights'
+        return self
 
     @property
     def num_loops(self) -> int:
