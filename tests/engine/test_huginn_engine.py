@@ -66,7 +66,13 @@ def reference_results(eng, jobs):
 
 @pytest.mark.parametrize(
     "mode,chunk,budget",
-    [("refill", 4, 32), ("refill", 64, 64), ("no_refill", 3, 16), ("mixed", 5, 12), ("mixed", 64, 64)],
+    [
+        ("refill", 4, 32),
+        ("refill", 64, 64),
+        ("no_refill", 3, 16),
+        ("mixed", 5, 12),
+        ("mixed", 64, 64),
+    ],
 )
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static-buffers"])
 def test_greedy_zero_state_equals_reference(model_dir, mode, chunk, budget, static):

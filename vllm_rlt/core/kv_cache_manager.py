@@ -3,15 +3,16 @@
 Owns the block tables: for each request and plane, the physical blocks holding its positions.
 LAST_EXITED keeps one plane per depth (a row at depth d reads and writes plane d); SHARED keeps
 one plane that every depth overwrites. A model with attention layers outside the loop (Huginn's
-prelude and coda) has `num_edge_planes` more after those, written with depth 0. Blocks are allocated on demand, plane by plane, when the
-scheduler places work that writes positions there (`allocate`), and released when the request
-ends or is preempted.
+prelude and coda) has `num_edge_planes` more after those, written with depth 0. Blocks are
+allocated on demand, plane by plane, when the scheduler places work that writes positions there
+(`allocate`), and released when the request ends or is preempted.
 
 Prefix caching: a full block of prompt positions is keyed by a hash chain over the prompt's token
-ids from position 0 (salted with the layout, loop count and block size: everything else that
-decides the KV), one key per plane. Prompt positions run every loop, so their KV does not depend on
-exit decisions; once every plane holds a block's positions (`cache_prompt`), later requests with
-the same prefix share those blocks (`find_prefix`, `attach`) until the pool evicts them.
+ids from position 0 (salted with the layout, loop and edge plane counts and block size: everything
+else that decides the KV), one key per plane. Prompt positions run every loop, so their KV does
+not depend on exit decisions; once every plane holds a block's positions (`cache_prompt`), later
+requests with the same prefix share those blocks (`find_prefix`, `attach`) until the pool evicts
+them.
 """
 
 from __future__ import annotations

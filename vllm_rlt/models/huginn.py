@@ -136,7 +136,9 @@ class HuginnTransformer(nn.Module):
         self.adapter = nn.Linear(2 * e, e, bias=False)
         blocks = (HuginnBlock(config, backend) for _ in range(config.n_layers_in_recurrent_block))
         self.core_block = nn.ModuleList(blocks)
-        self.coda = nn.ModuleList(HuginnBlock(config, backend) for _ in range(config.n_layers_in_coda))
+        self.coda = nn.ModuleList(
+            HuginnBlock(config, backend) for _ in range(config.n_layers_in_coda)
+        )
         self.ln_f = RMSNorm(e, config.norm_eps)
 
 

@@ -46,9 +46,7 @@ class _Mirror:
 
     def segment(self, token_start: int, num_tokens: int) -> EdgeSegment:
         data = self.data
-        return EdgeSegment(
-            token_start, num_tokens, self.block_tables, data.seed, data.init_scale
-        )
+        return EdgeSegment(token_start, num_tokens, self.block_tables, data.seed, data.init_scale)
 
 
 @dataclass(frozen=True)

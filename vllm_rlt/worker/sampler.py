@@ -16,6 +16,7 @@ import torch
 from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS
 from vllm_rlt.tensor_utils import counter_uniform, to_device
 
+
 @dataclass(frozen=True)
 class SamplingTensors:
     temperature: torch.Tensor  # [N] float32; below 1e-5 (0) = greedy

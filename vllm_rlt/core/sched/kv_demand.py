@@ -15,8 +15,8 @@ def kv_demand(
     num_loops: int,
 ) -> dict[tuple[str, int], int]:
     """(request, plane) -> the positions [0, end) there that `loops` invocations of `tasks`
-    write (each task in the planes of the depths it runs, at depth 0 also the edge planes), and the skipped planes that the
-    `exits` (request, position, last depth) copy into."""
+    write (each task in the planes of the depths it runs, at depth 0 also the edge planes), and
+    the skipped planes that the `exits` (request, position, last depth) copy into."""
     need: dict[tuple[str, int], int] = {}
 
     def write(req_id: str, planes, end: int) -> None:

@@ -264,8 +264,10 @@ class Scheduler:
         prefilling = [r for r in self.running if r.in_prefill]
         if not decoding or not prefilling or not self.decode.fixed_loops(decoding):
             return False
-        return self.atomic_prefill or any(r.prefill_len > limit for r in prefilling) or any(
-            r.num_tokens > limit for r in decoding
+        return (
+            self.atomic_prefill
+            or any(r.prefill_len > limit for r in prefilling)
+            or any(r.num_tokens > limit for r in decoding)
         )
 
     def _take_turn(self, budget: int, samples: list[str], admitted: dict):
