@@ -172,3 +172,11 @@ def test_preempted_requests_recompute_the_same_tokens(model_dir, mode):
     assert eng.scheduler.num_preemptions > 0
     assert got == reference_results(eng, jobs)
     assert kv_all_free(eng)
+
+
+def test_capacity_counts_the_edge_plane(model_dir):
+    with pytest.raises(ConfigError, match="needs a block in each of its 5 planes"):
+        make_engine(model_dir, num_kv_blocks=4)  # 4 recurrences + the prelude/coda plane
+    eng = make_engine(model_dir, num_kv_blocks=50)  # 10 blocks of 4 positions in each plane
+    assert eng.kv_manager.max_tokens_per_request() == 40
+    assert eng.max_model_len == 41

@@ -152,3 +152,22 @@ def test_loader_vets_the_extra_tensors(tmp_path):
     save_file({**tensors, "freqs_cis": tensors["freqs_cis"] * 0.5}, file)
     with pytest.raises(CheckpointError, match="freqs_cis differs"):
         load_model(path, device="cpu")
+
+
+def test_release_shape_for_dummy_benchmarks(tmp_path):
+    from benchmarks.model_shapes import write_shape
+    from vllm_rlt.models.loader import read_config
+
+    config = read_config(write_shape("huginn-0125", tmp_path / "h"))
+    assert (config.n_embd, config.n_heads, config.vocab_size, config.num_loops) == (
+        5280,
+        55,
+        65536,
+        32,
+    )
+    assert config.eos_token_id == [65505, 65508]  # from generation_config.json
+    # bf16 KV per token: 4 core layers x (32 recurrence planes + 1 edge plane) x K, V: 2.66 MiB,
+    # the reference's 132 layer-slots
+    planes = config.num_loops + 1
+    per_token = planes * config.num_kv_layers * 2 * config.n_embd * 2
+    assert planes * config.num_kv_layers == 132 and abs(per_token / 2**20 - 2.66) < 0.01
