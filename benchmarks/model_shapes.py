@@ -33,7 +33,7 @@ OURO_1_4B = {
     "torch_dtype": "bfloat16",
 }
 
-# the released Huginn-0125 (RavenConfig's defaults, docs/models.md §2.1)
+# the released Huginn-0125 (RavenConfig's defaults, docs/models.md §3)
 HUGINN_0125 = {
     "architectures": ["RavenForCausalLM"],
     "model_type": "huginn_raven",

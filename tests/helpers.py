@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.model_shapes import HUGINN_0125
 from vllm_rlt.models.huginn import HuginnConfig, HuginnForCausalLM, rope_table
 from vllm_rlt.models.loader import init_random_weights
 from vllm_rlt.models.ouro import OuroConfig, OuroForCausalLM
@@ -53,7 +54,7 @@ HUGINN_SPECIAL_TOKENS = [
     "<|end_turn|>",
     "<|pad|>",
 ]
-# the release's template (docs/models.md §2), over the tiny tokenizer's special tokens
+# the release's template (docs/models.md §3.4), over the tiny tokenizer's special tokens
 HUGINN_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|begin_header|>"
     "{{ 'Huginn' if m['role'] == 'assistant' else m['role'] }}<|end_header|>\n\n"
@@ -62,8 +63,7 @@ HUGINN_CHAT_TEMPLATE = (
     "{% else %}<|end_text|>{% endif %}"
 )
 TINY_HUGINN = {
-    "architectures": ["RavenForCausalLM"],
-    "model_type": "huginn_raven",
+    **HUGINN_0125,
     "n_embd": 32,
     "n_heads": 4,
     "n_layers": 4,
@@ -72,16 +72,12 @@ TINY_HUGINN = {
     "n_layers_in_coda": 1,
     "intermediate_size": 64,
     "vocab_size": 96,
+    "padded_vocab_size": None,
     "block_size": 256,
-    "rope_base": 50000,
-    "norm_eps": 1e-6,
-    "tie_embeddings": True,
-    "bias": False,
-    "qk_bias": True,
-    "injection_type": "linear",
-    "state_init": "like-init",
     "mean_recurrence": 4,
     "bos_token_id": 0,
+    "eos_token_id": None,
+    "pad_token_id": 5,
     "torch_dtype": "float32",
 }
 

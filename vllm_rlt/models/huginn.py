@@ -1,4 +1,4 @@
-"""Native Huginn-0125 (tomg-group-umd, `RavenForCausalLM`) over packed rows (docs/models.md §2).
+"""Native Huginn-0125 (tomg-group-umd, `RavenForCausalLM`) over packed rows (docs/models.md §3).
 
 The stages differ from Ouro's in three ways:
 
@@ -166,11 +166,7 @@ class HuginnForCausalLM(nn.Module):
                 "use layer_kernels='auto' or 'torch'"
             )
         self.layer_kernels = "torch"
-        backend = (
-            get_attention_backend(attention_backend)
-            if isinstance(attention_backend, str)
-            else attention_backend
-        )
+        backend = get_attention_backend(attention_backend)
         self.config = config
         self.transformer = HuginnTransformer(config, backend)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

@@ -1,5 +1,5 @@
 """Huginn-0125 (`model_type: "huginn_raven"`) configuration: the `config.json` fields the engine
-uses (HF names and defaults of the released model, docs/models.md §2), with the names the engine
+uses (HF names and defaults of the released model, docs/models.md §3), with the names the engine
 shares with Ouro (`vocab_size`, `head_dim`, `num_loops`, ...) as derived properties."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Dense Huginn reference: the test oracle for `models/huginn.py`.
 
 Recomputes one sequence from the weights (checkpoint names) with no paging, no batching and
-none of the engine's layers: its own RMSNorm, interleaved RoPE (angles in fp64) and attention.
+none of the engine's layers: its own interleaved RoPE (angles in fp64), and the RMSNorm and
+attention of the Ouro reference (`models/reference.py`).
 It returns the recurrent state after every recurrence and the logits after the coda. Given
 per-token loop counts it reproduces the engine's LAST_EXITED cache: a token at recurrence r
 reads an earlier token's core K/V from recurrence min(r, its last one), and the coda reads each
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_rlt.models.huginn_config import HuginnConfig
+from vllm_rlt.models.reference import dense_attention, dense_rms_norm
 from vllm_rlt.tensor_utils import acc_dtype
 
 
@@ -42,9 +44,7 @@ class DenseHuginnReference:
         return cls(model.config, weights)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        x32 = x.to(acc_dtype(x.dtype))
-        y = x32 / torch.sqrt(x32.square().mean(-1, keepdim=True) + self.c.norm_eps)
-        return self.w[name] * y.to(x.dtype)
+        return dense_rms_norm(x, self.w[name], self.c.norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [S, heads, d] rotated by adjacent pairs at `positions`, in fp32 (fp64 for fp64)."""
@@ -56,13 +56,6 @@ class DenseHuginnReference:
         out[..., 0::2] = even * cos - odd * sin
         out[..., 1::2] = odd * cos + even * sin
         return out.to(x.dtype)
-
-    def _attend(self, q, keys, values, visible) -> torch.Tensor:
-        """q: [Sq, H, d]; keys/values: [Sk, H, d]; visible: [Sq, Sk] bool -> [Sq, H, d]."""
-        acc = acc_dtype(q.dtype)
-        scores = torch.einsum("qhd,khd->hqk", q.to(acc), keys.to(acc)) / math.sqrt(q.shape[-1])
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values.to(acc)).to(q.dtype)
 
     def _qkv(self, x: torch.Tensor, p: str, positions: torch.Tensor):
         a = self._norm(x, p + "norm_1.weight")
@@ -81,7 +74,7 @@ class DenseHuginnReference:
 
     def _block(self, x: torch.Tensor, p: str, positions, causal) -> torch.Tensor:
         q, k, v = self._qkv(x, p, positions)
-        return self._finish(x, self._attend(q, k, v, causal), p)
+        return self._finish(x, dense_attention(q, k, v, causal), p)
 
     def run(
         self,
@@ -116,7 +109,7 @@ class DenseHuginnReference:
                     kv[j] = (k.clone(), v.clone())
                 keys, values = kv[j]
                 keys[active], values[active] = k[active], v[active]
-                x = self._finish(x, self._attend(q, keys, values, causal), p)
+                x = self._finish(x, dense_attention(q, keys, values, causal), p)
             states.append(torch.where(active[:, None], x, float("nan")))
             s = torch.where(active[:, None], x, s)
         z = self._norm(s, "transformer.ln_f.weight")

@@ -220,11 +220,7 @@ class OuroForCausalLM(nn.Module):
         # which LayerKernels run the layers: "auto" (skinny on CUDA, torch elsewhere), "torch",
         # "fused" or "skinny" (tests and benchmarks pick one)
         self.layer_kernels = layer_kernels
-        backend = (
-            get_attention_backend(attention_backend)
-            if isinstance(attention_backend, str)
-            else attention_backend
-        )
+        backend = get_attention_backend(attention_backend)
         self.config = config
         self.model = OuroModel(config, backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
