@@ -180,3 +180,11 @@ def test_capacity_counts_the_edge_plane(model_dir):
     eng = make_engine(model_dir, num_kv_blocks=50)  # 10 blocks of 4 positions in each plane
     assert eng.kv_manager.max_tokens_per_request() == 40
     assert eng.max_model_len == 41
+
+
+def test_greedy_with_the_triton_backend_under_the_interpreter(model_dir):
+    eng = make_engine(
+        model_dir, backend="triton", scheduling_mode="mixed", prefill_chunk_size=5, max_num_seqs=3
+    )
+    jobs = greedy_jobs(3, 2, eng.model_config.vocab_size)  # the interpreter is slow
+    assert run_batched(eng, jobs) == reference_results(eng, jobs)
