@@ -58,12 +58,12 @@ def activation_bytes(
     model: torch.nn.Module, num_rows: int, num_samples: int, block_size: int, tile_rows: int
 ) -> int:
     """Peak device memory of the largest invocation, eager: one prefill segment of `num_rows`
-    rows (positions 0..num_rows - 1 of a scratch KV cache) through the prelude, the
-    recurrent core and (a model with attention there) the coda's blocks, with coda and sampling (top-k, top-p, logprobs) of `num_samples` rows
-    beside it. The caching allocator's peak above its reserve before the run, plus what the run
-    left in use outside it (kernel modules, library workspaces). Attention temporaries that grow
-    with the context (split-KV partials; the torch backend's scores) are measured at this
-    context only."""
+    rows (positions 0..num_rows - 1 of a scratch KV cache) through the prelude, the recurrent
+    core and (a model with attention there) the coda's blocks, with coda and sampling (top-k,
+    top-p, logprobs) of `num_samples` rows beside it. The caching allocator's peak above its
+    reserve before the run, plus what the run left in use outside it (kernel modules, library
+    workspaces). Attention temporaries that grow with the context (split-KV partials; the torch
+    backend's scores) are measured at this context only."""
     device = model.lm_head.weight.device
     num_blocks = -(-num_rows // block_size)
     kv = DeviceKVCache.for_model(model, num_blocks, block_size)
