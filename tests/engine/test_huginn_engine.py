@@ -186,3 +186,8 @@ def test_greedy_with_the_triton_backend_under_the_interpreter(model_dir):
     )
     jobs = greedy_jobs(3, 2, eng.model_config.vocab_size)  # the interpreter is slow
     assert run_batched(eng, jobs) == reference_results(eng, jobs)
+
+
+def test_stop_ids_come_from_the_generation_config(model_dir):
+    eng = make_engine(model_dir)
+    assert eng.eos_token_ids == (1, 4)  # <|end_text|>, <|end_turn|>

@@ -74,5 +74,5 @@ def test_chat_uses_the_checkpoint_template_and_eos(client, server, model_dir):
     rendered = httpx.post(
         server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": True}
     ).json()
-    assert rendered["tokens"][:3] == tok.encode(text, add_special_tokens=False).ids[:3]
+    assert rendered["tokens"] == tok.encode(text, add_special_tokens=False).ids
     assert rendered["tokens"][0] == tok.token_to_id("<|begin_text|>")
