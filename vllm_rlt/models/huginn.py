@@ -61,9 +61,10 @@ def like_init_noise(
 ) -> torch.Tensor:
     """[R, E] fp32 initial states: N(0, (std x scale)^2) truncated at 3 std, times sqrt(E), drawn
     by inverse CDF from `counter_uniform` keyed by (seed, position). seeds, positions: [R] int64;
-    scales: [R] fp32 (0 gives zeros)."""
+    scales: [R] fp32 (0 gives zeros). The counters are -1 - position: negative, so the draws
+    are independent of the sampler's (whose counters, output-token indices, are >= 0)."""
     dims = torch.arange(config.n_embd, device=seeds.device)
-    u = counter_uniform(seeds, positions, dims).double()
+    u = counter_uniform(seeds, -1 - positions, dims).double()
     lo = 0.5 * math.erfc(3 / math.sqrt(2))  # Phi(-3)
     p = lo + u * (1 - 2 * lo)
     normal = math.sqrt(2) * torch.erfinv(2 * p - 1)
