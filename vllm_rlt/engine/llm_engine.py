@@ -100,6 +100,12 @@ class LLMEngine:
         num_blocks = blocks.num_blocks
         # a random initial state makes prompt KV depend on the request's seed: nothing to share
         prefix_caching = cc.enable_prefix_caching and not self.model.random_initial_state
+        if cc.enable_prefix_caching and not prefix_caching:
+            logger.info(
+                "prefix caching is off: %s draws a random initial state per request, so prompt "
+                "KV depends on the request's seed",
+                type(self.model).__name__,
+            )
         self.kv_manager = KVCacheManager(
             num_blocks,
             cc.block_size,
