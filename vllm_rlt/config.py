@@ -81,6 +81,11 @@ class ModelConfig:
         "up to 2048 rows replay graphs captured at start on CUDA with the triton backend)",
         default=False,
     )
+    init_scale: float = _help(
+        "Huginn: scale of the random initial recurrent state each request draws from its seed "
+        "(0: the zero state, deterministic); a request's init_scale overrides it",
+        default=1.0,
+    )
     max_model_len: int | None = _help(
         "most positions of one request (prompt + output); default: the model's "
         "max_position_embeddings, capped by what the KV cache holds for one request",
@@ -91,6 +96,7 @@ class ModelConfig:
         _check_types(self)
         n = self.max_model_len
         _check(n is None or n >= 2, "max_model_len", n, ">= 2 (one prompt and one output token)")
+        _check(self.init_scale >= 0, "init_scale", self.init_scale, ">= 0")
 
 
 @dataclass(frozen=True)
@@ -261,12 +267,30 @@ class EngineConfig:
                 "layout needs atomic position-wave prefill; use kv_layout='last_exited'"
             )
 
-    def check_model(self, model_name: str, requires_atomic_prefill: bool) -> None:
-        """Capability check against the loaded model class."""
-        if requires_atomic_prefill and self.scheduler.wavefront_chunked_prefill:
+    def check_model(self, model_cls: type) -> None:
+        """Capability check against the model class (its `requires_atomic_prefill`,
+        `supports_shared_kv` and `has_exit_gate` attributes)."""
+        name = model_cls.__name__
+        if model_cls.requires_atomic_prefill and self.scheduler.wavefront_chunked_prefill:
             raise ConfigError(
-                f"wavefront_chunked_prefill=True cannot run with {model_name}, which requires "
+                f"wavefront_chunked_prefill=True cannot run with {name}, which requires "
                 "atomic prefill; turn wavefront_chunked_prefill off"
+            )
+        if model_cls.requires_atomic_prefill and self.scheduler.max_prefill_stall_loops:
+            raise ConfigError(
+                f"max_prefill_stall_loops={self.scheduler.max_prefill_stall_loops} would split "
+                f"prefill batches of {name}, which requires atomic prefill; leave it unset"
+            )
+        if not model_cls.supports_shared_kv and self.cache.kv_layout == KVLayout.SHARED.value:
+            raise ConfigError(
+                f"kv_layout='shared' cannot run with {name}: its recurrences keep one KV plane "
+                "each (as its reference cache); use kv_layout='last_exited'"
+            )
+        threshold = self.exit.exit_threshold
+        if not model_cls.has_exit_gate and threshold is not None and threshold < 1:
+            raise ConfigError(
+                f"exit_threshold={threshold} needs an exit gate, which {name} does not have "
+                "(every token runs max_loops loops); leave exit_threshold unset or 1"
             )
 
     @classmethod

@@ -45,7 +45,10 @@ _BACKENDS = {
 }
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str | AttentionBackend) -> AttentionBackend:
+    """The backend registered as `name` (a backend instance passes through)."""
+    if not isinstance(name, str):
+        return name
     if name not in _BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name]
