@@ -31,8 +31,10 @@ KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 QUEUE_POLICIES = ("fcfs", "priority")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
+# "triton_invariant" is what batch_invariant runs
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_invariant")
+# "auto": skinny on CUDA, torch elsewhere; "invariant" is what batch_invariant runs
+LAYER_KERNELS = ("auto", "torch", "fused", "skinny", "invariant")
 
 
 class ConfigError(ValueError):
@@ -62,16 +64,24 @@ class ModelConfig:
     )
     device: str | None = _help("cpu or cuda (default: cuda when available)", default=None)
     attention_backend: str = _help(
-        "attention implementation: auto (triton on CUDA, torch on CPU), torch (the reference) "
-        "or triton",
+        "attention implementation: auto (triton on CUDA, torch on CPU), torch (the reference), "
+        "triton, or triton_invariant (batch_invariant's)",
         choices=ATTENTION_BACKENDS,
         default="auto",
     )
     layer_kernels: str = _help(
         "how a layer's projections and element-wise steps run: auto (skinny on CUDA, torch on "
-        "CPU), torch (the reference), fused or skinny (docs/design/runner.md §4)",
+        "CPU), torch (the reference), fused or skinny (docs/design/runner.md §4), or invariant "
+        "(batch_invariant's)",
         choices=LAYER_KERNELS,
         default="auto",
+    )
+    batch_invariant: bool = _help(
+        "make every row's result bitwise independent of the other rows of its invocation and of "
+        "the invocation's size, so that scheduling (WCPB, chunk size, budget, other requests) "
+        "never changes a token: Triton kernels with tiles fixed per weight shape, attention "
+        "without KV splits (docs/design/runner.md §6; it costs throughput)",
+        default=False,
     )
     seed: int = _help(
         "seed for dummy weights and for the seeds drawn for requests that give none", default=0
@@ -97,6 +107,20 @@ class ModelConfig:
         n = self.max_model_len
         _check(n is None or n >= 2, "max_model_len", n, ">= 2 (one prompt and one output token)")
         _check(self.init_scale >= 0, "init_scale", self.init_scale, ">= 0")
+        if self.batch_invariant:
+            for name, ok in (
+                ("attention_backend", ("auto", "triton", "triton_invariant")),
+                ("layer_kernels", ("auto", "invariant")),
+            ):
+                value = getattr(self, name)
+                _check(value in ok, name, value, f"one of {ok} with batch_invariant (its kernels)")
+
+    def kernel_names(self) -> tuple[str, str]:
+        """(attention backend, layer kernels) the model is built with: batch_invariant's own,
+        or the chosen ones ("auto" is resolved by the loader)."""
+        if self.batch_invariant:
+            return "triton_invariant", "invariant"
+        return self.attention_backend, self.layer_kernels
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ class AttentionBackend(Protocol):
 _BACKENDS = {
     "torch": ("vllm_rlt.attention.torch_backend", "TorchAttentionBackend"),
     "triton": ("vllm_rlt.attention.triton_backend", "TritonAttentionBackend"),
+    # batch_invariant's (vllm_rlt.config.ModelConfig.kernel_names)
+    "triton_invariant": ("vllm_rlt.attention.triton_backend", "InvariantTritonAttentionBackend"),
 }
 
 

@@ -56,13 +56,14 @@ class LLMEngine:
             model_dir = mc.model or default_model_dir()
             _, model_cls = registry.resolve(read_config(model_dir).model_type)
             config.check_model(model_cls)
+            attention_backend, layer_kernels = mc.kernel_names()
             loaded = load_model(
                 model_dir,
                 dtype=mc.dtype,
                 device=mc.device,
                 load_format=mc.load_format,
-                attention_backend=mc.attention_backend,
-                layer_kernels=mc.layer_kernels,
+                attention_backend=attention_backend,
+                layer_kernels=layer_kernels,
                 seed=mc.seed,
             )
         else:

@@ -161,6 +161,9 @@ class HuginnForCausalLM(nn.Module):
         super().__init__()
         if layer_kernels not in LAYER_KERNELS:
             raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {layer_kernels!r}")
+        if layer_kernels == "invariant":
+            raise ConfigError("batch_invariant is not available for Huginn: its layers run with "
+                              "torch ops, whose GEMMs depend on the number of rows")  # fmt: skip
         if layer_kernels not in ("auto", "torch"):
             raise ConfigError(
                 f"layer_kernels={layer_kernels!r}: Huginn runs its layers with torch ops; "

@@ -71,13 +71,19 @@ def resolve_device(
         if resolved.index is not None and resolved.index >= count:
             raise ConfigError(f"device={device!r} but only {count} CUDA GPU(s) are visible")
         return resolved
-    triton = {"attention_backend": ("triton",), "layer_kernels": ("fused", "skinny")}
+    triton = {
+        "attention_backend": ("triton", "triton_invariant"),
+        "layer_kernels": ("fused", "skinny", "invariant"),
+    }
     chosen = {"attention_backend": attention_backend, "layer_kernels": layer_kernels}
     for name, value in chosen.items():
         if value in triton[name] and not device_info.INTERPRET:
+            invariant = value in ("triton_invariant", "invariant")
+            what = "batch_invariant" if invariant else f"{name}={value!r}"
+            fix = "" if invariant else f"; use {name}='torch'"
             raise ConfigError(
-                f"{name}={value!r} runs Triton kernels, which on the CPU need the Triton "
-                f"interpreter (TRITON_INTERPRET=1 in the environment); use {name}='torch'"
+                f"{what} runs Triton kernels, which on the CPU need the Triton interpreter "
+                f"(TRITON_INTERPRET=1 in the environment){fix}"
             )
     return resolved
 

@@ -265,4 +265,5 @@ class OuroForCausalLM(nn.Module):
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V] (in the model dtype)."""
-        return self.lm_head(hidden)
+        kernels = get_layer_kernels(self.layer_kernels, hidden.device)
+        return kernels.logits(hidden, self.lm_head.weight)
