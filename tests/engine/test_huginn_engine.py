@@ -147,6 +147,7 @@ def test_seeded_initial_state(model_dir):
         (dict(kv_layout="shared"), "kv_layout='shared' cannot run with HuginnForCausalLM"),
         (dict(max_prefill_stall_loops=2), "split prefill batches of HuginnForCausalLM"),
         (dict(exit_threshold=0.5), "needs an exit gate"),
+        (dict(batch_invariant=True, backend="auto"), "batch_invariant is not available for Huginn"),
     ],
 )
 def test_startup_refuses_what_huginn_cannot_run(model_dir, kw, match):
