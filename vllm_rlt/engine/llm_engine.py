@@ -75,10 +75,13 @@ class LLMEngine:
         self.num_loops = self.model.num_loops
         weight = self.model.lm_head.weight
         c = self.model_config
+        config.check_speculation(self.num_loops, c.early_exit_threshold)
+        max_drafts = config.speculative.num_speculative_tokens
         num_planes = num_planes_for(cc.kv_layout, self.num_loops)
         # everything that stays on the device besides the KV cache exists before it is sized
         planner = make_planner(sc, cc.kv_layout, self.num_loops)
-        ring_rows = planner.ring_slots * planner.chunk_size
+        # a speculative window's rows use the ring once the prompt is done
+        ring_rows = max(planner.ring_slots * planner.chunk_size, max_drafts + 1)
         states = HiddenStateStore(
             sc.max_num_seqs, ring_rows, c.hidden_size, weight.dtype, weight.device
         )
@@ -107,12 +110,16 @@ class LLMEngine:
         log_kv_cache(blocks, per_plane, num_planes, self.max_model_len)
         kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
-        self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
+        self.scheduler = Scheduler(
+            sc, self.kv_manager, exit_policy, self.num_loops, config.speculative
+        )
         graphs = None
         if specs:
             max_context = min(self.max_model_len, per_plane)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
-        self.runner = ModelRunner(self.model, kv_cache, states, num_planes, graphs, tile_rows)
+        self.runner = ModelRunner(
+            self.model, kv_cache, states, num_planes, graphs, tile_rows, max_drafts
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None
@@ -141,6 +148,13 @@ class LLMEngine:
         if request_id in self.scheduler.requests or self.outputs.children(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         settings = self._exit_settings(params, exit_trace)
+        if self.scheduler.spec is not None and (
+            settings.threshold < 1.0 or settings.max_loops != self.num_loops
+        ):
+            raise ValueError(
+                "exit_threshold, max_loops: speculative decoding (num_speculative_tokens > 0) "
+                f"needs fixed depth; leave exit_threshold at 1 and max_loops at {self.num_loops}"
+            )
         children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         now = time.monotonic() if arrival_time is None else arrival_time
         reqs = [
@@ -227,9 +241,14 @@ class LLMEngine:
         return self._read_tokens(*ready) if ready is not None else []
 
     def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
+        requests = self.scheduler.requests
+        windows = [requests[v.request_id] for v in batch.verifies if v.request_id in requests]
+        before = {r.request_id: len(r.output_token_ids) for r in windows}
         touched = self.scheduler.apply_tokens(batch, launched.read_tokens())
-        for req in touched:
-            self.stats.record_token(req.output_exit_depths[-1])
+        for req in touched:  # one token each, several for a verified window
+            num = len(req.output_exit_depths)
+            for depth in req.output_exit_depths[before.get(req.request_id, num - 1) :]:
+                self.stats.record_token(depth)
             try:  # detokenization, stop strings, logprobs: work of this request alone
                 hit = self.outputs.process(req)
             except Exception:

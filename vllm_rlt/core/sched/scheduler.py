@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.decode_planner import DecodePlanner
 from vllm_rlt.core.sched.execution_batch import (
@@ -51,6 +51,7 @@ from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.kv_demand import kv_demand
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
+from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
 
 
@@ -61,13 +62,18 @@ class Scheduler:
         kv_manager: KVCacheManager,
         exit_policy: ExitPolicy,
         num_loops: int,
+        speculative: SpeculativeConfig | None = None,
     ):
+        """`speculative`: self-speculative decoding settings (None or 0 drafts: off)."""
         self.config = config
         self.kv = kv_manager
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.planner = make_planner(config, kv_manager.layout, num_loops)
-        self.decode = DecodePlanner(config.scheduling_mode, exit_policy)
+        self.spec = None
+        if speculative is not None and speculative.num_speculative_tokens:
+            self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
+        self.decode = DecodePlanner(config.scheduling_mode, exit_policy, self.spec)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -128,7 +134,7 @@ class Scheduler:
         elif self.config.scheduling_mode == "mixed":
             self._prefill_turn = False
             decode_tasks, samples = self.decode.plan(self.running, budget)
-            prefill_budget = budget - len(decode_tasks)
+            prefill_budget = budget - sum(t.num_tokens for t in decode_tasks)
             cap = self.config.prefill_rows_with_decode
             if decode_tasks and cap is not None:
                 prefill_budget = min(prefill_budget, cap)
@@ -142,6 +148,7 @@ class Scheduler:
                 tasks, loops = self._place(decode_tasks, [], samples, admitted)
         new = tuple(self._new)
         changed = [r for r in self.kv.take_changed() if r in self.requests]
+        drafts, verifies = self.spec.samples(tasks, loops, self.requests) if self.spec else ((), ())
         batch = ExecutionBatch(
             requests=tuple(tasks),
             loop_count=loops,
@@ -155,6 +162,9 @@ class Scheduler:
                 for pair in self.kv.exit_copy_slots(rid, pos, depth)
             ),
             sample_req_ids=tuple(samples),
+            sample_indices=tuple(self.requests[r].num_sampled - 1 for r in samples),
+            drafts=drafts,
+            verifies=verifies,
             finished_req_ids=tuple(self._finished),
         )  # fmt: skip
         self._new, self._exits, self._finished = [], [], []
@@ -170,7 +180,7 @@ class Scheduler:
         watermark = self.kv.num_total_blocks // 100
         while len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            if req is None or req.pending_exit_depths:
+            if req is None or req.pending_exit_depths or req.spec is not None:
                 break
             req.resume_tokens = max(0, len(req.output_token_ids) - 1)
             ids = req.prefill_token_ids()
@@ -243,6 +253,8 @@ class Scheduler:
         if sampled_now:  # the token this step would have sampled
             req.pending_exit_depths.pop()
         req.pieces, req.decode, req.ready_loops = [], None, None
+        if req.spec is not None and not req.spec.verified:  # a verified window's tokens come
+            req.spec = None
         req.num_prefilled_tokens = req.prefill_reclaimable_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.push_front(req)
@@ -302,10 +314,7 @@ class Scheduler:
     def _decode_loops(self, decode_tasks, prefill_tasks) -> int:
         if prefill_tasks or not self._apart_now and any(r.in_prefill for r in self.running):
             return 1
-        return min(
-            self.exit_policy.loops_to_decision(req.decode, req.exit)
-            for req in (self.requests[t.request_id] for t in decode_tasks)
-        )
+        return min(self.decode.loops_to_decision(self.requests[t.request_id]) for t in decode_tasks)
 
     # ---- update -----------------------------------------------------------------------------
     def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:
@@ -319,12 +328,14 @@ class Scheduler:
         the next step can be scheduled before they are read back."""
         gates = iter(decode_gate_logits)
         for task in batch.requests:
-            if task.kind is not RowKind.DECODE:
+            if task.kind is RowKind.PREFILL:
                 continue
             gate = next(gates) if task.reads_gate else None
             req = self.requests.get(task.request_id)
             if req is not None and req.decode is not None:
                 self._after_loops(req, gate, batch.loop_count)
+            elif req is not None and req.spec is not None:
+                self.spec.advance(req.spec, batch.loop_count)
         for req_id, tasks in _by_request(batch.requests, RowKind.PREFILL).items():
             req = self.requests.get(req_id)
             if req is None:
@@ -343,8 +354,8 @@ class Scheduler:
             req.ready_loops = self.num_loops
             return
         index = len(req.output_token_ids) - 1
-        req.decode = DecodeToken(position=req.prefill_len, index=index)
-        self.exit_policy.start(req.decode, req.exit, req.request_id)
+        token = DecodeToken(position=req.prefill_len, index=index)
+        self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
     def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
         """The tokens `batch` sampled (request_id -> SampledToken), oldest unread first: stop
@@ -356,7 +367,28 @@ class Scheduler:
             if req is not None and req.pending_exit_depths:
                 self._append_token(req, sampled[req_id])
                 touched.append(req)
+        for verify in batch.verifies:
+            req = self.requests.get(verify.request_id)
+            if req is not None and req.spec is not None and req.spec.verified:
+                self._accept(req, sampled[verify.request_id])
+                touched.append(req)
         return touched
+
+    def _accept(self, req: Request, tokens) -> None:
+        """A verified window's tokens (accepted drafts, then the target's token): appended up to
+        a stop; the KV of the positions after them is dropped, and the newest token loops next
+        (a preempted request gets it when it resumes)."""
+        window, req.spec = req.spec, None
+        self.spec.record(window, len(tokens))
+        for token in tokens:
+            req.pending_exit_depths.append(self.num_loops)
+            self._append_token(req, token)
+            if req.status.finished:
+                return
+        if req.status is RequestStatus.RUNNING:
+            self.kv.truncate(req.request_id, req.num_tokens - 1)
+            token = DecodeToken(position=req.num_tokens - 1, index=req.num_sampled - 1)
+            self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
     def _append_token(self, req: Request, sampled) -> None:
         req.output_token_ids.append(sampled.token_id)
@@ -385,7 +417,7 @@ class Scheduler:
 
 
 def _split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
-    decode = [t for t in tasks if t.kind is RowKind.DECODE]
+    decode = [t for t in tasks if t.kind is not RowKind.PREFILL]
     return decode, [t for t in tasks if t.kind is RowKind.PREFILL]
 
 
