@@ -185,6 +185,12 @@ class LLMEngine:
             final = self.outputs.collect([child])[0]
         return final
 
+    def stats_dict(self) -> dict[str, float]:
+        """`EngineStats.as_dict()` and, with speculation, the speculative counters and ratios
+        (`SpecPlanner.as_dict()`)."""
+        spec = self.scheduler.spec
+        return {**self.stats.as_dict(), **(spec.as_dict() if spec is not None else {})}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

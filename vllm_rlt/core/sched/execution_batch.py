@@ -154,3 +154,18 @@ class RunnerOutput:
     sampled: dict[str, SampledToken | tuple[SampledToken, ...]]
     # gate logits of the decode rows of the (single) invocation that `reads_gate`, in plan order
     decode_gate_logits: tuple[float, ...]
+
+
+def split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    """(decode and window tasks, prefill tasks) of `tasks`, in order."""
+    decode = [t for t in tasks if t.kind is not RowKind.PREFILL]
+    return decode, [t for t in tasks if t.kind is RowKind.PREFILL]
+
+
+def by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRequest]]:
+    """`tasks` (of `kind`, or all) grouped by request, in order."""
+    out: dict[str, list[ScheduledRequest]] = {}
+    for t in tasks:
+        if kind is None or t.kind is kind:
+            out.setdefault(t.request_id, []).append(t)
+    return out

@@ -26,10 +26,12 @@ been. A request admitted in this step that does not fit goes back unannounced.
       arrivals are admitted within that many loops;
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
-  R7. decode apart from long prefill (`_apart`): while a prompt in prefill or a decoding
-      position is past `max_context_with_decode`, decode-only steps, which run to the first exit
-      decision (R1 even with prompts in prefill), and prefill-only batches of the whole budget
-      (R2-R6) take turns.
+  R7. decode apart from long prefill (`DecodePlanner.apart`): while a prompt in prefill or a
+      decoding position is past `max_context_with_decode`, decode-only steps, which run to the
+      first exit decision (R1 even with prompts in prefill), and prefill-only batches of the
+      whole budget (R2-R6) take turns.
+Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
+rows; for R1 a window's rows decide when their draft or verify loops are done.
 Merely having waiting requests, or possible preemptions, does not split a batch.
 """
 
@@ -46,6 +48,8 @@ from vllm_rlt.core.sched.execution_batch import (
     RowKind,
     RunnerOutput,
     ScheduledRequest,
+    by_request,
+    split_kinds,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.kv_demand import kv_demand
@@ -128,7 +132,10 @@ class Scheduler:
         admitted = self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
-        self._apart_now = self.config.scheduling_mode == "mixed" and self._apart()
+        mixed = self.config.scheduling_mode == "mixed"
+        self._apart_now = mixed and self.decode.apart(
+            self.running, self.config.max_context_with_decode
+        )
         if self._apart_now:
             tasks, loops = self._take_turn(budget, samples, admitted)
         elif self.config.scheduling_mode == "mixed":
@@ -229,7 +236,7 @@ class Scheduler:
         for (req_id, plane), end in need.items():
             self.kv.allocate(req_id, plane, end)
         if len(tasks) < len(decode_tasks) + len(prefill_tasks):  # victims' work left the plan
-            loops = min(loops, self._loop_count(*_split_kinds(tasks)))
+            loops = min(loops, self._loop_count(*split_kinds(tasks)))
         return tasks, loops
 
     def _victim_key(self, req: Request) -> tuple:
@@ -258,22 +265,6 @@ class Scheduler:
         req.num_prefilled_tokens = req.prefill_reclaimable_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.push_front(req)
-
-    def _apart(self) -> bool:
-        """R7: whether decode rows and prefill tasks run in separate batches now. A mixed
-        invocation lasts as long as its longest-context tile (prefill tiles of a long prompt, or
-        a decode row's tile, which mixed graphs do not split), so riding decode rows would pay
-        for the long context at every loop and long decode rows would hold up the prefill rows.
-        Only when every decoding token runs a fixed number of loops, so that a decode step can
-        run all of them at once."""
-        limit = self.config.max_context_with_decode
-        decoding = self.decode.decoding(self.running)
-        prefilling = [r for r in self.running if r.in_prefill]
-        if not decoding or not prefilling or not self.decode.fixed_loops(decoding):
-            return False
-        return any(r.prefill_len > limit for r in prefilling) or any(
-            r.num_tokens > limit for r in decoding
-        )
 
     def _take_turn(self, budget: int, samples: list[str], admitted: dict):
         """R7's batch: prefill's turn takes the whole budget, decode's runs every decoding token
@@ -304,7 +295,7 @@ class Scheduler:
             loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4
             loops = min(loops, self.config.max_prefill_stall_loops)
-        for req_id, tasks in _by_request(prefill_tasks).items():
+        for req_id, tasks in by_request(prefill_tasks).items():
             req = self.requests[req_id]
             if not self.planner.atomic_loops(req, tasks, loops):  # R3
                 return 1
@@ -336,7 +327,7 @@ class Scheduler:
                 self._after_loops(req, gate, batch.loop_count)
             elif req is not None and req.spec is not None:
                 self.spec.advance(req.spec, batch.loop_count)
-        for req_id, tasks in _by_request(batch.requests, RowKind.PREFILL).items():
+        for req_id, tasks in by_request(batch.requests, RowKind.PREFILL).items():
             req = self.requests.get(req_id)
             if req is None:
                 continue
@@ -414,16 +405,3 @@ class Scheduler:
         req.ready_loops = tok.loops_done
         if tok.loops_done < self.kv.num_planes:
             self._exits.append((req.request_id, tok.position, tok.loops_done - 1))
-
-
-def _split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
-    decode = [t for t in tasks if t.kind is not RowKind.PREFILL]
-    return decode, [t for t in tasks if t.kind is RowKind.PREFILL]
-
-
-def _by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRequest]]:
-    out: dict[str, list[ScheduledRequest]] = {}
-    for t in tasks:
-        if kind is None or t.kind is kind:
-            out.setdefault(t.request_id, []).append(t)
-    return out

@@ -135,6 +135,18 @@ class SpecPlanner:
                 verifies.append(VerifySample(t.request_id, w.num_drafts, w.index + 1))
         return tuple(drafts), tuple(verifies)
 
+    def as_dict(self) -> dict[str, float]:
+        """The counters, the acceptance rate (accepted / drafted tokens) and the mean accepted
+        length (tokens per window: accepted drafts + the target's token)."""
+        windows, drafted, accepted = self.num_windows, self.num_drafted, self.num_accepted
+        return {
+            "spec_windows": windows,
+            "spec_draft_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
+        }
+
     def record(self, w: SpecWindow, num_tokens: int) -> None:
         """A window's acceptance was read back: `num_tokens` tokens (accepted drafts + one)."""
         self.num_windows += 1
