@@ -267,7 +267,8 @@ class SpeculativeConfig:
     speculative_invocation_costs: str | None = _help(
         "adaptive rule: measured cost of one recurrent-core invocation by rows, as "
         "'rows:cost,rows:cost,...' (any unit, interpolated linearly); with it each window takes "
-        "the number of drafts the cost model predicts fastest, 0 (off) included",
+        "the number of drafts the cost model predicts fastest, 0 (off) included (default: "
+        "none, the row limit alone decides)",
         default=None,
     )
 
