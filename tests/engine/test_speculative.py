@@ -20,6 +20,7 @@ import pytest
 from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched, run_serial
 from tests.helpers import chi_square_homogeneity, chi_square_sf
 from vllm_rlt.config import ConfigError
+from vllm_rlt.core.sched.execution_batch import RowKind
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -84,6 +85,31 @@ def test_greedy_equals_plain_decoding(model_dir, mode, k, draft_loops):
     spec = eng.scheduler.spec
     assert spec.num_windows > 0 and spec.num_drafted >= spec.num_windows
     assert spec.num_accepted <= spec.num_drafted
+
+
+@pytest.mark.parametrize("wavefront", [False, True])
+def test_windows_share_invocations_with_prefill(model_dir, wavefront):
+    """Under mixed scheduling (and WCPB) draft and verify rows ride the invocations of prefill
+    tasks, and the output is still plain decoding's."""
+    jobs, want = serial(model_dir)
+    eng = make_engine(
+        model_dir, max_num_seqs=8, max_num_batched_tokens=16, prefill_chunk_size=4,
+        wavefront_chunked_prefill=wavefront, num_speculative_tokens=2, speculative_draft_loops=1,
+    )  # fmt: skip
+    schedule, shared = eng.scheduler.schedule, Counter()
+
+    def recording():
+        batch = schedule()
+        kinds = {t.kind for t in batch.requests}
+        if RowKind.PREFILL in kinds and RowKind.SPEC in kinds:
+            spec = [t for t in batch.requests if t.kind is RowKind.SPEC]
+            shared["verify" if any(t.num_tokens > 1 for t in spec) else "draft"] += 1
+        return batch
+
+    eng.scheduler.schedule = recording
+    got = run_batched(eng, jobs)
+    assert compare(eng, jobs, got, want, "last_exited") == 0
+    assert shared["verify"] and shared["draft"], shared
 
 
 def _blocks_bounded(eng) -> None:

@@ -269,8 +269,9 @@ class ModelRunner:
         return None, meta, index, buffer[index]
 
     def _rows(self, span: StateSpan, mirror: _Mirror) -> np.ndarray:
-        """Flat hidden-state rows of a span: past the prompt, the request's decode row; in the
-        prompt, ring rows from the span's offset (derived on the chunk grid when None)."""
+        """Flat hidden-state rows of a span: ring rows from the span's offset (prompt rows, where
+        None means derived on the chunk grid; a speculative window's rows, at the ring's start);
+        other rows past the prompt, the request's decode row."""
         offset = span.prefill_hidden_row_offset
         if offset is None and span.token_start >= len(mirror.data.prompt_token_ids):
             return np.array([self.states.decode_row(mirror.slot)])
