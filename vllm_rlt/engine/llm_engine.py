@@ -41,6 +41,7 @@ from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.memory_profile import DeviceMemory, measure_device_memory
 from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
+from vllm_rlt.worker.spec_windows import WindowTokens
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class LLMEngine:
         states = HiddenStateStore(
             sc.max_num_seqs, ring_rows, c.hidden_size, weight.dtype, weight.device
         )
+        windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
         tile_rows = tile_rows_for(planner.task_rows)
         specs = ()
         if not mc.enforce_eager and graphs_supported(self.model):
@@ -118,7 +120,7 @@ class LLMEngine:
             max_context = min(self.max_model_len, per_plane)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
         self.runner = ModelRunner(
-            self.model, kv_cache, states, num_planes, graphs, tile_rows, max_drafts
+            self.model, kv_cache, states, windows, num_planes, graphs, tile_rows
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back

@@ -58,16 +58,16 @@ class ModelRunner:
         model: torch.nn.Module,
         kv_cache: DeviceKVCache,
         states: HiddenStateStore,
+        windows: WindowTokens,
         num_planes: int,
         graphs: CudaGraphRunner | None = None,
         tile_rows: int = TILE_ROWS,
-        max_drafts: int = 0,
     ):
         """`states`: the hidden-state buffer (a slot per running request; the engine allocates
-        it before sizing the KV cache); `graphs`: runs the invocations its buckets admit over
-        static buffers (None: all eager); `tile_rows`: rows per multi-row attention tile of
-        eager invocations (the graph runner's own); `max_drafts`: most drafts of a speculative
-        window (0: speculation off)."""
+        it before sizing the KV cache); `windows`: the tokens that enter decode rows and the
+        speculative windows' state (allocated likewise); `graphs`: runs the invocations its
+        buckets admit over static buffers (None: all eager); `tile_rows`: rows per multi-row
+        attention tile of eager invocations (the graph runner's own)."""
         self.model = model
         self.graphs = graphs
         self.tile_rows = tile_rows
@@ -77,7 +77,7 @@ class ModelRunner:
         self.device = kv_cache.kv.device
         self.states = states
         self.reqs: dict[str, _Mirror] = {}
-        self.windows = WindowTokens(states.max_num_seqs, max_drafts, self.device)
+        self.windows = windows
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
 

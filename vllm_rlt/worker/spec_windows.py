@@ -21,13 +21,15 @@ from vllm_rlt.worker.spec_decode import accept, draft_tokens
 
 
 class WindowTokens:
-    def __init__(self, max_num_seqs: int, max_drafts: int, device: torch.device):
-        """`max_drafts`: most drafts of a window (0: speculation off)."""
-        self.max_drafts = max_drafts
-        self.device = device
-        self.tokens = torch.zeros(max_num_seqs, max_drafts + 1, dtype=torch.int64, device=device)
-        # [max_num_seqs, max_drafts, V] fp32, made at the first random draft
-        self.probs: torch.Tensor | None = None
+    def __init__(self, max_num_seqs: int, max_drafts: int, vocab_size: int, device):
+        """`max_drafts`: most drafts of a window (0: speculation off). Everything is allocated
+        here, before the engine sizes the KV cache."""
+        self.device = torch.device(device)
+        shape = (max_num_seqs, max_drafts + 1)
+        self.tokens = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        # [max_num_seqs, max_drafts, V] fp32
+        shape = (max_num_seqs, max_drafts, vocab_size if max_drafts else 0)
+        self.probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
 
     def set_newest(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """slots [N] int64, token_ids [N] int64: the requests' newest sampled tokens."""
@@ -49,9 +51,6 @@ class WindowTokens:
         cols = to_device([d.offset for d in drafts], torch.int64, self.device)
         self.tokens[slot_t, cols] = token_ids
         if probs is not None:
-            if self.probs is None:
-                shape = (self.tokens.shape[0], self.max_drafts, probs.shape[-1])
-                self.probs = torch.zeros(shape, dtype=torch.float32, device=self.device)
             self.probs[slot_t, cols - 1] = probs
 
     def verify(self, verifies: Sequence[VerifySample], slots: list[int], ring_rows: list[int],
