@@ -242,7 +242,7 @@ class ModelRunner:
         a `timer` is attached."""
         if self.timer is None:
             return contextlib.nullcontext()
-        decode = [t for t in live if t.kind is RowKind.DECODE]
+        decode = [t for t in live if t.kind is not RowKind.PREFILL]  # window rows are decode
         decode_rows = sum(t.num_tokens for t in decode)
         bucket = None if static is None else static.spec.num_rows
         if not self.timer.by_context:
