@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
+from benchmarks.wcpb_matrix import add_async_scheduling_flag
 from vllm_rlt.benchmarks.metrics import engine_counters, summarize
 from vllm_rlt.benchmarks.throughput import run_requests
 from vllm_rlt.config import EngineConfig
@@ -60,7 +61,7 @@ def make_engines(args, model_dir: str, load_format: str, concurrency: int, keys=
         config = EngineConfig.from_kwargs(
             model=model_dir, dtype=args.dtype, load_format=load_format, exit_threshold=1.0,
             max_num_seqs=concurrency, kv_cache_memory_gb=args.kv_cache_gb,
-            async_scheduling=not args.no_async_scheduling, **spec, **extra,
+            async_scheduling=args.async_scheduling, **spec, **extra,
         )  # fmt: skip
         engines[d, k] = LLMEngine(config, loaded)
     return engines
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-gb", type=float, default=8.0)
-    p.add_argument("--no-async-scheduling", action="store_true")
+    add_async_scheduling_flag(p)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     results = run_packaged(args) if args.mode == "packaged" else run_cost(args)
