@@ -331,6 +331,13 @@ class EngineConfig:
             return
         d = spec.speculative_draft_loops
         _check(d < num_loops, "speculative_draft_loops", d, f"< the model's depth ({num_loops})")
+        if self.cache.kv_layout == KVLayout.SHARED.value:
+            raise ConfigError(
+                f"num_speculative_tokens={spec.num_speculative_tokens} cannot run with "
+                "kv_layout='shared': a verify pass runs the window's positions together, so "
+                "each would read the one before at its own depth, not at full depth; use "
+                "kv_layout='last_exited' or num_speculative_tokens=0"
+            )
         threshold = self.exit.exit_threshold
         threshold = default_threshold if threshold is None else threshold
         if self.exit.exit_mode == "trace" or (threshold is not None and threshold < 1.0):

@@ -185,9 +185,12 @@ def test_sampled_distribution_is_unchanged():
 
 
 def preemption_workload(seed: int):
-    """Greedy fixed-depth jobs under a KV cache that holds one longest request exactly."""
+    """Fixed-depth jobs, greedy and one sampled, under a KV cache that holds one longest request
+    exactly."""
     rng = random.Random(seed)
     jobs = greedy_jobs(seed, rng.randint(2, 4), max_prompt=16, max_tokens=10)
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=seed, ignore_eos=True)
+    jobs.append(Job("sampled", rng.choices(range(256), k=rng.randint(1, 16)), sampled, 1))
     longest = max(len(j.prompt) + j.params.max_tokens - 1 for j in jobs)
     chunk = rng.randint(1, 8)
     settings = {
@@ -207,12 +210,14 @@ def preemption_workload(seed: int):
 
 @pytest.mark.parametrize("block", range(4))
 def test_preemption_keeps_outputs(model_dir, block):
-    """40 workloads in 4 blocks: outputs equal solo plain decoding, every block is given back,
-    and preemption really happens in most workloads."""
+    """40 workloads in 4 blocks: greedy outputs equal solo plain decoding, the sampled job gets
+    all its tokens at full depth, every block is given back, and preemption really happens in
+    most workloads."""
     preempted = 0
     for seed in range(block * 10, block * 10 + 10):
         jobs, settings = preemption_workload(seed)
-        want = run_serial(make_engine(model_dir, max_num_seqs=1), jobs)
+        greedy = [j for j in jobs if j.req_id != "sampled"]
+        want = run_serial(make_engine(model_dir, max_num_seqs=1), greedy)
         eng = make_engine(model_dir, **settings)
         steps = itertools.count()
 
@@ -221,7 +226,8 @@ def test_preemption_keeps_outputs(model_dir, block):
             assert next(steps) <= 4 * work + 100, "no progress"
 
         got = run_batched(eng, jobs, check=bounded)
-        assert compare(eng, jobs, got, want, "last_exited") == 0
+        assert compare(eng, greedy, got, want, "last_exited") == 0
+        assert got["sampled"][1] == (D,) * 10
         assert kv_all_free(eng)
         assert eng.kv_manager.pool.plane_usage() == [0] * D
         preempted += eng.scheduler.num_preemptions > 0
@@ -235,6 +241,8 @@ def test_exit_gate_is_refused(model_dir):
         make_engine(model_dir, num_speculative_tokens=2, exit_mode="trace")
     with pytest.raises(ConfigError, match="needs fixed depth"):  # the packaged model's 0.6
         make_engine(default_model_dir(), num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="kv_layout='shared'"):
+        make_engine(model_dir, num_speculative_tokens=2, kv_layout="shared")
     with pytest.raises(ConfigError, match="speculative_draft_loops"):
         make_engine(model_dir, num_speculative_tokens=2, speculative_draft_loops=D)
     eng = make_engine(model_dir, num_speculative_tokens=2)
