@@ -321,6 +321,12 @@ class EngineConfig:
                 f"wavefront_chunked_prefill=True cannot run with {model_name}, which requires "
                 "atomic prefill; turn wavefront_chunked_prefill off"
             )
+        if requires_atomic_prefill and self.speculative.num_speculative_tokens:
+            raise ConfigError(
+                f"num_speculative_tokens={self.speculative.num_speculative_tokens} cannot run "
+                f"with {model_name}, which requires atomic prefill (a verify pass runs a window's "
+                "positions as a task from the draft depth on); set num_speculative_tokens=0"
+            )
 
     def check_speculation(self, num_loops: int, default_threshold: float | None) -> None:
         """Speculation needs fixed depth (every token runs all `num_loops` loops), so that a

@@ -21,6 +21,7 @@ from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_bat
 from tests.helpers import chi_square_homogeneity, chi_square_sf
 from vllm_rlt.config import ConfigError
 from vllm_rlt.core.sched.execution_batch import RowKind
+from vllm_rlt.models.ouro import OuroForCausalLM
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -245,6 +246,10 @@ def test_exit_gate_is_refused(model_dir):
         make_engine(model_dir, num_speculative_tokens=2, kv_layout="shared")
     with pytest.raises(ConfigError, match="speculative_draft_loops"):
         make_engine(model_dir, num_speculative_tokens=2, speculative_draft_loops=D)
+    with pytest.MonkeyPatch.context() as patch:  # Huginn-like models
+        patch.setattr(OuroForCausalLM, "requires_atomic_prefill", True)
+        with pytest.raises(ConfigError, match="requires atomic prefill"):
+            make_engine(model_dir, num_speculative_tokens=2)
     eng = make_engine(model_dir, num_speculative_tokens=2)
     for bad in (SamplingParams(exit_threshold=0.5), SamplingParams(max_loops=D - 1)):
         with pytest.raises(ValueError, match="fixed depth"):
