@@ -113,6 +113,23 @@ def test_windows_share_invocations_with_prefill(model_dir, wavefront):
     assert shared["verify"] and shared["draft"], shared
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["refill", "mixed", "wcpb"])
+def test_greedy_equals_plain_decoding_on_gpu(model_dir, backend, mode):
+    """fp32 on CUDA; with the triton backend window rows replay CUDA graphs."""
+    jobs = greedy_jobs(0, 6)
+    want = run_serial(make_engine(model_dir, "cuda", backend, max_num_seqs=1), jobs)
+    eng = make_engine(
+        model_dir, "cuda", backend, scheduling_mode="mixed" if mode == "wcpb" else mode,
+        wavefront_chunked_prefill=mode == "wcpb", prefill_chunk_size=4, max_num_seqs=4,
+        max_num_batched_tokens=16, num_speculative_tokens=2, speculative_draft_loops=1,
+    )  # fmt: skip
+    got = run_batched(eng, jobs, check=_blocks_bounded)
+    assert compare(eng, jobs, got, want, "last_exited") <= 1
+    assert kv_all_free(eng) and eng.scheduler.spec.num_windows > 0
+
+
 def _blocks_bounded(eng) -> None:
     """After each step a request holds no block past its window's last position (rejected
     positions are given back when their acceptance is read)."""

@@ -138,7 +138,7 @@ class Scheduler:
         )
         if self._apart_now:
             tasks, loops = self._take_turn(budget, samples, admitted)
-        elif self.config.scheduling_mode == "mixed":
+        elif mixed:
             self._prefill_turn = False
             decode_tasks, samples = self.decode.plan(self.running, budget)
             prefill_budget = budget - sum(t.num_tokens for t in decode_tasks)
@@ -260,7 +260,7 @@ class Scheduler:
         if sampled_now:  # the token this step would have sampled
             req.pending_exit_depths.pop()
         req.pieces, req.decode, req.ready_loops = [], None, None
-        if req.spec is not None and not req.spec.verified:  # a verified window's tokens come
+        if req.spec is not None and not req.spec.verified:  # (a verified one's tokens are coming)
             req.spec = None
         req.num_prefilled_tokens = req.prefill_reclaimable_tokens = 0
         req.status = RequestStatus.WAITING
