@@ -53,8 +53,10 @@ def render(trace: list[dict], path: Path, title: str) -> None:
     width = max(r["invocation"] for r in trace) + 1
     fig, ax = plt.subplots(figsize=(max(6, width * 0.32), max(3, len(lanes) * 0.32)))
     for r in trace:
-        piece = (r["token_start"], r["num_tokens"]) if r["kind"] == "prefill" else None
-        y = lanes[(r["request_id"], r["kind"], piece)]
+        prefill = r["kind"] == "prefill"
+        piece = (r["token_start"], r["num_tokens"]) if prefill else None
+        # a speculative window's rows share the request's decode lane
+        y = lanes[(r["request_id"], "prefill" if prefill else "decode", piece)]
         color = colors(requests.index(r["request_id"]) % 10)
         alpha = 1.0 if r["kind"] == "prefill" else 0.45
         ax.add_patch(plt.Rectangle((r["invocation"], y), 0.95, 0.9, color=color, alpha=alpha))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -118,3 +119,30 @@ def write_tiny_huginn(path, *, vocab_size: int = 256, seed: int = 0, **overrides
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     return path
+
+
+def chi_square_homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom for two samples over the same categories;
+    categories whose expected count is below 5 in either sample are merged into one."""
+    na, nb = sum(a.values()), sum(b.values())
+    big, small = [], (0, 0)
+    for cat in set(a) | set(b):
+        total = a[cat] + b[cat]
+        if min(total * na, total * nb) / (na + nb) >= 5:
+            big.append((a[cat], b[cat]))
+        else:
+            small = (small[0] + a[cat], small[1] + b[cat])
+    if sum(small):
+        big.append(small)
+    stat = 0.0
+    for ca, cb in big:
+        total = ca + cb
+        for count, n in ((ca, na), (cb, nb)):
+            expected = total * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    return stat, len(big) - 1
+
+
+def chi_square_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df)."""
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))

@@ -278,11 +278,64 @@ class ExitConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = _help(
+        "self-speculative decoding: tokens a decoding request drafts with fewer loops before "
+        "one verify pass over the remaining loops checks them (0: off; needs fixed depth, "
+        "docs/design/speculative.md)",
+        default=0,
+    )
+    speculative_draft_loops: int = _help(
+        "loops a draft token runs (1 <= loops < the model's depth)", default=1
+    )
+    speculative_max_decode_rows: int = _help(
+        "adaptive rule: speculation is off for a window that starts while more requests than "
+        "this decode (verify rows multiply the rows per invocation, which stops paying once "
+        "invocations leave the weight-bound regime)",
+        default=8,
+    )
+    speculative_invocation_costs: str | None = _help(
+        "adaptive rule: measured cost of one recurrent-core invocation by rows, as "
+        "'rows:cost,rows:cost,...' (any unit, interpolated linearly); with it each window takes "
+        "the number of drafts the cost model predicts fastest, 0 (off) included (default: "
+        "none, the row limit alone decides)",
+        default=None,
+    )
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        k = self.num_speculative_tokens
+        _check(k >= 0, "num_speculative_tokens", k, ">= 0")
+        d = self.speculative_draft_loops
+        _check(d >= 1, "speculative_draft_loops", d, ">= 1")
+        rows = self.speculative_max_decode_rows
+        _check(rows >= 0, "speculative_max_decode_rows", rows, ">= 0")
+        if self.speculative_invocation_costs is not None:
+            self.invocation_costs()
+
+    def invocation_costs(self) -> tuple[tuple[int, float], ...]:
+        """`speculative_invocation_costs` as (rows, cost) points, rows ascending."""
+        text = self.speculative_invocation_costs or ""
+        want = "'rows:cost,...' with rows >= 1 ascending and costs > 0"
+        try:
+            points = tuple(
+                (int(r), float(c)) for r, c in (p.split(":") for p in text.split(",") if p)
+            )
+        except ValueError:
+            points = ()
+        ok = bool(points) and all(r >= 1 and c > 0 for r, c in points)
+        ok = ok and all(a[0] < b[0] for a, b in zip(points, points[1:], strict=False))
+        _check(ok, "speculative_invocation_costs", text, want)
+        return points
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.scheduler.wavefront_chunked_prefill and self.cache.kv_layout == "shared":
@@ -316,6 +369,37 @@ class EngineConfig:
                 f"exit_threshold={threshold} needs an exit gate, which {name} does not have "
                 "(every token runs max_loops loops); leave exit_threshold unset or 1"
             )
+        if model_cls.requires_atomic_prefill and self.speculative.num_speculative_tokens:
+            raise ConfigError(
+                f"num_speculative_tokens={self.speculative.num_speculative_tokens} cannot run "
+                f"with {name}, which requires atomic prefill (a verify pass runs a window's "
+                "positions as a task from the draft depth on); set num_speculative_tokens=0"
+            )
+
+    def check_speculation(self, num_loops: int, default_threshold: float | None) -> None:
+        """Speculation needs fixed depth (every token runs all `num_loops` loops), so that a
+        draft's first loops are the target's (docs/design/speculative.md §3).
+        `default_threshold`: the model config's exit threshold."""
+        spec = self.speculative
+        if not spec.num_speculative_tokens:
+            return
+        d = spec.speculative_draft_loops
+        _check(d < num_loops, "speculative_draft_loops", d, f"< the model's depth ({num_loops})")
+        if self.cache.kv_layout == KVLayout.SHARED.value:
+            raise ConfigError(
+                f"num_speculative_tokens={spec.num_speculative_tokens} cannot run with "
+                "kv_layout='shared': a verify pass runs the window's positions together, so "
+                "each would read the one before at its own depth, not at full depth; use "
+                "kv_layout='last_exited' or num_speculative_tokens=0"
+            )
+        threshold = self.exit.exit_threshold
+        threshold = default_threshold if threshold is None else threshold
+        if self.exit.exit_mode == "trace" or (threshold is not None and threshold < 1.0):
+            raise ConfigError(
+                f"num_speculative_tokens={spec.num_speculative_tokens} needs fixed depth, but "
+                f"exit_mode={self.exit.exit_mode!r} with exit_threshold={threshold} lets tokens "
+                "exit early; set exit_threshold=1 (exit_mode ouro) or num_speculative_tokens=0"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -334,6 +418,7 @@ SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "exit": ExitConfig,
+    "speculative": SpeculativeConfig,
 }
 
 

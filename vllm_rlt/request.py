@@ -42,6 +42,25 @@ class DecodeToken:
 
 
 @dataclass
+class SpecWindow:
+    """A speculative window (docs/design/speculative.md): the newest sampled token at `start`
+    and `num_drafts` drafted tokens after it. Each position runs the draft loops in turn (the
+    draft token of the next position is sampled from that state); then all positions run the
+    remaining loops together (verify), and the runner accepts a prefix of the drafts."""
+
+    start: int  # position of the window's first token (the newest sampled one)
+    index: int  # output index of that token (the sampler's counter)
+    num_drafts: int  # drafted tokens (K of this window, >= 1)
+    offset: int = 0  # position now drafting, from `start` (num_drafts + 1: verifying)
+    loops_done: int = 0  # loops the current rows completed (verify: counted from the draft's)
+    verified: bool = False  # verify done: the accepted tokens await read-back
+
+    @property
+    def verifying(self) -> bool:
+        return self.offset > self.num_drafts
+
+
+@dataclass
 class ExitSettings:
     min_loops: int  # resolved per request, 1 <= min_loops <= max_loops <= D
     max_loops: int
@@ -68,6 +87,7 @@ class Request:
     pieces: list[PrefillPiece] = field(default_factory=list)  # resident pieces, oldest first
     # decode progress
     decode: DecodeToken | None = None  # the token currently looping
+    spec: SpecWindow | None = None  # speculative decoding: the window in flight (instead)
     ready_loops: int | None = None  # a state awaits the coda; it came from this many loops
     # tokens sampled on the device whose ids the host has not read yet (async scheduling reads
     # them one step later): their exit depths, oldest first

@@ -42,7 +42,7 @@ class StateRecorder:
         runner, model = eng.runner, eng.runner.model
         invoke, core = runner._invoke, model.recurrent_core
 
-        def recording_invoke(batch, i, sampled):
+        def recording_invoke(batch, i):
             live = batch.live(i, model.num_loops)
 
             def recording_core(hidden, meta, kv):
@@ -56,7 +56,7 @@ class StateRecorder:
 
             model.recurrent_core = recording_core
             try:
-                return invoke(batch, i, sampled)
+                return invoke(batch, i)
             finally:
                 del model.recurrent_core
 

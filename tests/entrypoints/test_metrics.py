@@ -47,6 +47,9 @@ VLLM_METRICS = {
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:spec_decode_num_drafts": "counter",
+    "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter",
 }
 LOOPED_METRICS = {
     "vllm_rlt:exit_depth": "histogram",
@@ -59,6 +62,8 @@ LOOPED_METRICS = {
     "vllm_rlt:rows_per_invocation": "gauge",
     "vllm_rlt:tasks_per_invocation": "gauge",
     "vllm_rlt:loops_per_token": "gauge",
+    "vllm_rlt:spec_acceptance_rate": "gauge",
+    "vllm_rlt:spec_mean_accepted_length": "gauge",
 }
 
 
@@ -137,3 +142,30 @@ def test_counts_agree_after_mixed_traffic(server, client):
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm_rlt:num_free_kv_blocks"] == after["vllm_rlt:num_total_kv_blocks"]
     assert _delta(before, after, "vllm_rlt:invocations_total") > 0
+
+
+def test_speculative_decoding_metrics(tmp_path):
+    """With speculation on, windows, drafted and accepted tokens count up, and the rates agree
+    with the counters."""
+    model_dir = write_tiny_ouro(tmp_path / "tiny", seed=6)
+    engine = tiny_engine(model_dir, num_speculative_tokens=3, speculative_draft_loops=2)
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        out = client.completions.create(
+            model=MODEL,
+            prompt=["import os", "def f"],
+            max_tokens=12,
+            temperature=0,
+            extra_body=EXTRA,
+        )
+        assert out.usage.completion_tokens == 24
+        wait_idle(engine)
+        m = read_metrics(srv.url)
+    windows = m["vllm:spec_decode_num_drafts_total"]
+    drafted = m["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens_total"]
+    assert windows > 0 and drafted >= windows and 0 <= accepted <= drafted
+    assert m["vllm_rlt:spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert m["vllm_rlt:spec_mean_accepted_length"] == pytest.approx(1 + accepted / windows)
+    # every token comes from a window except each sample's first (prefill) and plain decode steps
+    assert accepted + windows <= m["vllm:generation_tokens_total"] - 2

@@ -80,16 +80,24 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
 
 
 def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
-    """Engine counters of one run (`EngineStats.as_dict()` before and after it) and the ratios
+    """Engine counters of one run (`LLMEngine.stats_dict()` before and after it) and the ratios
     of docs/benchmarks/README.md §2: rows per invocation, prefill rows per prefill invocation,
-    invocations per request (whose Split / WCPB quotient is the invocation bound)."""
+    invocations per request (whose Split / WCPB quotient is the invocation bound); with
+    speculation, the run's acceptance rate and mean accepted length (tokens per window)."""
     counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
 
     def ratio(a: str, b: str) -> float:
         return counters[a] / counters[b] if counters.get(b) else 0.0
 
+    spec = {}
+    if "spec_windows" in counters:
+        spec = {
+            "spec_acceptance_rate": ratio("spec_accepted_tokens", "spec_draft_tokens"),
+            "spec_mean_accepted_length": 1 + ratio("spec_accepted_tokens", "spec_windows"),
+        }
     return {
         **counters,
+        **spec,
         "rows_per_invocation": ratio("rows", "invocations"),
         "tasks_per_invocation": ratio("tasks", "invocations"),
         "prefill_rows_per_prefill_invocation": ratio("prefill_rows", "prefill_invocations"),

@@ -66,10 +66,10 @@ async def _inprocess(args: argparse.Namespace, engine_kwargs: dict, on_done: OnD
         if args.warmup_requests:
             warm = build_workload("concurrent", args.warmup_requests, [8], 4, vocab, seed=99)
             await run_inprocess(engine, warm, tag="warmup")
-        before = engine.engine.stats.as_dict()
+        before = engine.engine.stats_dict()
         with gpu_activity() if args.gpu_busy else contextlib.nullcontext({}) as gpu:
             records, duration = await run_inprocess(engine, workload, on_done=on_done)
-        counters = engine_counters(before, engine.engine.stats.as_dict(), len(workload.requests))
+        counters = engine_counters(before, engine.engine.stats_dict(), len(workload.requests))
     finally:
         await engine.shutdown()
     result = {"summary": summarize(records, duration), "engine": counters}

@@ -73,8 +73,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict:
     if args.warmup_requests:
         run_requests(engine, random_prompts(engine, args.warmup_requests, 8, 99), 4)
     prompts = random_prompts(engine, args.num_prompts, args.input_len, args.bench_seed)
-    before = engine.stats.as_dict()
+    before = engine.stats_dict()
     with tqdm(total=len(prompts), desc="requests", unit="req") as bar:
         records, duration = run_requests(engine, prompts, args.output_len, lambda: bar.update(1))
-    counters = engine_counters(before, engine.stats.as_dict(), len(prompts))
+    counters = engine_counters(before, engine.stats_dict(), len(prompts))
     return {"summary": summarize(records, duration), "engine": counters}

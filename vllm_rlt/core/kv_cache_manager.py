@@ -117,13 +117,28 @@ class KVCacheManager:
             self.allocate(req_id, plane, num_tokens)
 
     def free(self, req_id: str) -> None:
-        """Release every block of `req_id` (no-op for an unknown id), last positions first so
-        that they are evicted before the prefix other requests may share."""
+        """Release every block of `req_id` (no-op for an unknown id)."""
         self._chains.pop(req_id, None)
         self._changed.discard(req_id)
-        tables = self._tables.pop(req_id, [])
+        self._release_tail(self._tables.pop(req_id, []), 0)
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Release `req_id`'s blocks past those that hold positions [0, num_tokens) in every
+        plane (rejected speculative positions; generated positions are never shared)."""
+        tables = self._tables.get(req_id)
+        if tables and self._release_tail(tables, -(-num_tokens // self.block_size)):
+            self._changed.add(req_id)
+
+    def _release_tail(self, tables: list[list[int]], keep: int) -> bool:
+        """Release the blocks of `tables` from block index `keep` on, last positions first so
+        that they are evicted before the prefix other requests may share; whether any was."""
         longest = max((len(t) for t in tables), default=0)
-        self.pool.release(t[i] for i in reversed(range(longest)) for t in tables if i < len(t))
+        self.pool.release(
+            t[i] for i in reversed(range(keep, longest)) for t in tables if i < len(t)
+        )
+        for table in tables:
+            del table[keep:]
+        return longest > keep
 
     def take_changed(self) -> list[str]:
         """Requests whose block tables changed since the last call."""

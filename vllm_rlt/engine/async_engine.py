@@ -58,7 +58,7 @@ class EngineSnapshot:
     num_preemptions: int = 0  # requests preempted so far (their KV freed, recomputed later)
     prefix_cache_queries: int = 0  # prompt positions looked up in the prefix cache
     prefix_cache_hits: int = 0  # prompt positions found there
-    stats: dict[str, float] = field(default_factory=dict)  # EngineStats.as_dict()
+    stats: dict[str, float] = field(default_factory=dict)  # LLMEngine.stats_dict()
 
 
 def _copy(out: RequestOutput) -> RequestOutput:
@@ -252,7 +252,7 @@ class AsyncLLMEngine:
             num_preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_queries,
             prefix_cache_hits=sched.prefix_hits,
-            stats=self.engine.stats.as_dict(),
+            stats=self.engine.stats_dict(),
         )
 
     def _fail(self, error: EngineDeadError, cause: BaseException | None = None) -> None:

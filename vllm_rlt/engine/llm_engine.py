@@ -42,6 +42,7 @@ from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.memory_profile import DeviceMemory, measure_device_memory
 from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
+from vllm_rlt.worker.spec_windows import WindowTokens
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +78,18 @@ class LLMEngine:
         self.num_loops = self.model.num_loops
         weight = self.model.lm_head.weight
         c = self.model_config
+        config.check_speculation(self.num_loops, c.early_exit_threshold)
+        max_drafts = config.speculative.num_speculative_tokens
         # the loops' planes, then the planes of layers outside the loop (Huginn's prelude, coda)
         num_planes = num_planes_for(cc.kv_layout, self.num_loops) + self.model.num_edge_planes
         # everything that stays on the device besides the KV cache exists before it is sized
         planner = make_planner(sc, cc.kv_layout, self.num_loops)
-        ring_rows = planner.ring_slots * planner.chunk_size
+        # a speculative window's rows use the ring once the prompt is done
+        ring_rows = max(planner.ring_slots * planner.chunk_size, max_drafts + 1)
         states = HiddenStateStore(
             sc.max_num_seqs, ring_rows, self.model.state_size, weight.dtype, weight.device
         )
+        windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
         tile_rows = tile_rows_for(planner.task_rows)
         specs = ()
         if not mc.enforce_eager and graphs_supported(self.model):
@@ -124,14 +129,21 @@ class LLMEngine:
         kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(
-            sc, self.kv_manager, exit_policy, self.num_loops, self.model.requires_atomic_prefill
+            sc,
+            self.kv_manager,
+            exit_policy,
+            self.num_loops,
+            atomic_prefill=self.model.requires_atomic_prefill,
+            speculative=config.speculative,
         )
         graphs = None
         if specs:
             max_context = min(self.max_model_len, per_plane)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
         loop_planes = self.kv_manager.num_loop_planes
-        self.runner = ModelRunner(self.model, kv_cache, states, loop_planes, graphs, tile_rows)
+        self.runner = ModelRunner(
+            self.model, kv_cache, states, windows, loop_planes, graphs, tile_rows
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None
@@ -162,6 +174,13 @@ class LLMEngine:
         if request_id in self.scheduler.requests or self.outputs.children(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         settings = self._exit_settings(params, exit_trace)
+        if self.scheduler.spec is not None and (
+            settings.threshold < 1.0 or settings.max_loops != self.num_loops
+        ):
+            raise ValueError(
+                "exit_threshold, max_loops: speculative decoding (num_speculative_tokens > 0) "
+                f"needs fixed depth; leave exit_threshold at 1 and max_loops at {self.num_loops}"
+            )
         children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         now = time.monotonic() if arrival_time is None else arrival_time
         reqs = [
@@ -191,6 +210,12 @@ class LLMEngine:
             self.outputs.finish(child, RequestStatus.FINISHED_ABORTED)
             final = self.outputs.collect([child])[0]
         return final
+
+    def stats_dict(self) -> dict[str, float]:
+        """`EngineStats.as_dict()` and, with speculation, the speculative counters and ratios
+        (`SpecPlanner.as_dict()`)."""
+        spec = self.scheduler.spec
+        return {**self.stats.as_dict(), **(spec.as_dict() if spec is not None else {})}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -254,9 +279,14 @@ class LLMEngine:
         return self._read_tokens(*ready) if ready is not None else []
 
     def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
+        requests = self.scheduler.requests
+        windows = [requests[v.request_id] for v in batch.verifies if v.request_id in requests]
+        before = {r.request_id: len(r.output_token_ids) for r in windows}
         touched = self.scheduler.apply_tokens(batch, launched.read_tokens())
-        for req in touched:
-            self.stats.record_token(req.output_exit_depths[-1])
+        for req in touched:  # one token each, several for a verified window
+            num = len(req.output_exit_depths)
+            for depth in req.output_exit_depths[before.get(req.request_id, num - 1) :]:
+                self.stats.record_token(depth)
             try:  # detokenization, stop strings, logprobs: work of this request alone
                 hit = self.outputs.process(req)
             except Exception:

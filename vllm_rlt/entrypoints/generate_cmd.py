@@ -30,5 +30,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"prompt: {out.prompt!r}  sample {comp.index}  finish: {comp.finish_reason}")
             print(f"  text: {comp.text!r}")
             print(f"  exit depths: {comp.exit_depths}")
-    print("stats:", {k: round(v, 3) for k, v in llm.engine.stats.as_dict().items()})
+    print("stats:", {k: round(v, 3) for k, v in llm.engine.stats_dict().items()})
     return 0

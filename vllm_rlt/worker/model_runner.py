@@ -2,11 +2,12 @@
 
 It mirrors what it needs of each request from the plans (prompt, block tables, sampling
 settings, hidden-state slot) and never reads the scheduler's `Request`. A step applies the
-skipped-depth KV copies, samples the requests the plan names (coda of their state), then runs
-`loop_count` recurrent-core invocations, each one gathered call over all live rows: replayed as a
-CUDA graph when a bucket admits it (decode rows, prefill chunks, mixed; `worker/cuda_graph.py`),
-eagerly otherwise. Entering rows' prelude, the coda of prompt rows whose loops are done, and the
-scatter of the outputs run outside the graph, through the model's `worker/edge_stages.py`
+skipped-depth KV copies, samples the requests the plan names (coda of their state) and the
+speculative windows' draft tokens, then runs `loop_count` recurrent-core invocations, each one
+gathered call over all live rows: replayed as a CUDA graph when a bucket admits it (decode rows,
+prefill chunks, mixed; `worker/cuda_graph.py`), eagerly otherwise; then it accepts the windows
+verified in the step. Entering rows' prelude, the coda of prompt rows whose loops are done, and
+the scatter of the outputs run outside the graph, through the model's `worker/edge_stages.py`
 strategy.
 """
 
@@ -34,6 +35,7 @@ from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
+from vllm_rlt.worker.spec_windows import WindowTokens
 
 
 @dataclass
@@ -41,7 +43,6 @@ class _Mirror:
     data: NewRequestData
     slot: int
     block_tables: tuple[tuple[int, ...], ...] = ()
-    num_sampled: int = 0
     position: int = -1  # position of the token whose state the decode row holds
 
     def segment(self, token_start: int, num_tokens: int) -> EdgeSegment:
@@ -55,7 +56,8 @@ class LaunchedStep:
     needed them) and a callable that waits for its sampled tokens and returns them."""
 
     decode_gate_logits: tuple[float, ...]
-    read_tokens: Callable[[], dict[str, SampledToken]]
+    # request_id -> its sampled token, or a verified window's accepted tokens
+    read_tokens: Callable[[], dict[str, SampledToken | tuple[SampledToken, ...]]]
 
 
 class ModelRunner:
@@ -64,15 +66,17 @@ class ModelRunner:
         model: torch.nn.Module,
         kv_cache: DeviceKVCache,
         states: HiddenStateStore,
+        windows: WindowTokens,
         num_planes: int,
         graphs: CudaGraphRunner | None = None,
         tile_rows: int = TILE_ROWS,
     ):
         """`states`: the hidden-state buffer (a slot per running request; the engine allocates
-        it before sizing the KV cache); `num_planes`: the KV planes of the loops (the model's
-        edge planes follow them); `graphs`: runs the invocations its buckets admit over
-        static buffers (None: all eager); `tile_rows`: rows per multi-row attention tile of
-        eager invocations (the graph runner's own)."""
+        it before sizing the KV cache); `windows`: the tokens that enter decode rows and the
+        speculative windows' state (allocated likewise); `num_planes`: the KV planes of the
+        loops (the model's edge planes follow them); `graphs`: runs the invocations its
+        buckets admit over static buffers (None: all eager); `tile_rows`: rows per multi-row
+        attention tile of eager invocations (the graph runner's own)."""
         self.model = model
         self.graphs = graphs
         self.tile_rows = tile_rows
@@ -82,6 +86,7 @@ class ModelRunner:
         self.device = kv_cache.kv.device
         self.states = states
         self.reqs: dict[str, _Mirror] = {}
+        self.windows = windows
         self.edges = edge_stages_for(model, kv_cache, num_planes, tile_rows)
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
@@ -92,14 +97,16 @@ class ModelRunner:
         if batch.kv_copies:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
-        sampled_ids, sampled = self._sample(batch.sample_req_ids)
+        sampled = self._sample(batch.sample_req_ids, batch.sample_indices)
+        if batch.drafts:
+            self._draft(batch)
         # rows that read their gate come in one-loop batches; the gates are gathered right after
         # invocation 0 (a later invocation may replay the same graph over its outputs)
         starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
         gate_rows = [starts[j] for j, t in enumerate(batch.requests) if t.reads_gate]
         read_gates = None
         for i in range(batch.loop_count):
-            gates = self._invoke(batch, i, sampled_ids)
+            gates = self._invoke(batch, i)
             if gates is None:
                 break
             if i == 0 and gate_rows:
@@ -107,7 +114,36 @@ class ModelRunner:
         # the step's only waits for the GPU: gates an exit decision needs, and (when the caller
         # asks) sampled tokens
         decode_gates = read_gates.tolist() if read_gates is not None else []
+        if batch.verifies:
+            sampled = _merged(sampled, self._verify(batch))
         return LaunchedStep(tuple(decode_gates), sampled)
+
+    def _draft(self, batch: ExecutionBatch) -> None:
+        """The windows' draft tokens: each from the state of the window position before it."""
+        mirrors = [self.reqs[d.request_id] for d in batch.drafts]
+        self.windows.draft(
+            batch.drafts,
+            [m.slot for m in mirrors],
+            [
+                self.states.ring_row(m.slot, d.offset - 1)
+                for m, d in zip(mirrors, batch.drafts, strict=True)
+            ],
+            [m.data for m in mirrors],
+            self.model.coda,
+            self.states.buffer,
+        )
+
+    def _verify(self, batch: ExecutionBatch):
+        """The acceptance of the windows verified in this step; returns its read-back."""
+        mirrors = [self.reqs[v.request_id] for v in batch.verifies]
+        return self.windows.verify(
+            batch.verifies,
+            [m.slot for m in mirrors],
+            [self.states.ring_row(m.slot, 0) for m in mirrors],
+            [m.data for m in mirrors],
+            self.model.coda,
+            self.states.buffer,
+        )
 
     def _sync_mirrors(self, batch: ExecutionBatch) -> None:
         for req_id in batch.finished_req_ids:
@@ -116,37 +152,32 @@ class ModelRunner:
                 self.states.release(mirror.slot)
         for data in batch.new_requests:
             slot = self.states.allocate(data.ring_slots * data.chunk_size)
-            self.reqs[data.request_id] = _Mirror(data, slot, num_sampled=data.num_sampled)
+            self.reqs[data.request_id] = _Mirror(data, slot)
+            if data.resume_token is not None:
+                self.windows.tokens[slot, 0] = data.resume_token
         for req_id, tables in batch.block_tables:
             self.reqs[req_id].block_tables = tables
 
-    def _sample(self, req_ids: tuple[str, ...]):
-        """Coda + sampling for `req_ids`; returns (sampled token ids [N] on the device, index of
-        each request in them) and a callable that converts them to host results (the step's one
-        read-back: it waits for the sampling, not for the invocations queued after it)."""
+    def _sample(self, req_ids: tuple[str, ...], indices: tuple[int, ...]):
+        """Coda + sampling for `req_ids` (`indices`: the output index of each token); the tokens
+        become the requests' newest (`WindowTokens`). Returns a callable that converts them to
+        host results (the step's one read-back: it waits for the sampling, not for the
+        invocations queued after it)."""
         if not req_ids:
-            return (None, {}), dict
+            return dict
         mirrors = [self.reqs[r] for r in req_ids]
+        slots = to_device([m.slot for m in mirrors], torch.int64, self.device)
         rows = to_device(
             [self.states.decode_row(m.slot) for m in mirrors], torch.int64, self.device
         )
         segments = [m.segment(m.position, 1) for m in mirrors]
         logits = self.edges.logits(self.states.buffer[rows], segments)
         params = [m.data for m in mirrors]
-        tensors = SamplingTensors.build(
-            temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            seeds=[p.seed for p in params],
-            counters=[m.num_sampled for m in mirrors],
-            num_logprobs=max(p.num_logprobs for p in params),
-            device=self.device,
-        )
-        out = sample(logits, tensors)
+        num_logprobs = max(p.num_logprobs for p in params)
+        out = sample(logits, SamplingTensors.of(params, list(indices), num_logprobs, self.device))
+        self.windows.set_newest(slots, out.token_ids)
         # the copies start now, ahead of the step's invocations, which go on while the host waits
         copied = read_back(out.token_ids, out.logprobs, out.logprob_token_ids)
-        for m in mirrors:
-            m.num_sampled += 1
         by_req = {r: i for i, r in enumerate(req_ids)}
         wants = [p.num_logprobs for p in params]  # the mirrors may be gone when read back
 
@@ -162,20 +193,19 @@ class ModelRunner:
                     result[r] = SampledToken(ids[i], lps[i][0], top)
             return result
 
-        return (out.token_ids, by_req), to_host
+        return to_host
 
-    def _invoke(self, batch: ExecutionBatch, i: int, sampled_ids) -> torch.Tensor | None:
+    def _invoke(self, batch: ExecutionBatch, i: int) -> torch.Tensor | None:
         """Invocation `i` of the batch over its live rows (rows in plan order); returns their
         gate logits [R] fp32, or None when no row is live."""
         live = batch.live(i, self.num_loops)
         if not live:
             return None
         starts, counts, tables, rows = [], [], [], []
-        # rows entering through the prelude with host-known tokens (prompt rows, and the first
-        # decode row of a resumed request)
+        # prompt rows entering through the prelude
         prompt_rows, prompt_tokens, prompt_segs = [], [], []
-        # decode rows fed with this step's sampled token
-        decode_rows, decode_reqs, decode_segs = [], [], []
+        # decode and window rows entering: (slot, window offset) of their token
+        decode_rows, decode_slots, decode_offsets, decode_segs = [], [], [], []
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
         finish_rows, finish_segs = [], []  # prompt rows past their last loop: their coda
         row = 0
@@ -192,16 +222,14 @@ class ModelRunner:
                 prompt_rows.extend(range(row, row + t.num_tokens))
                 prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
                 prompt_segs.append(m.segment(t.token_start, t.num_tokens))
-            elif depth == 0 and t.request_id not in sampled_ids[1]:  # a resumed request's
-                prompt_rows.append(row)
-                prompt_tokens.append(m.data.resume_token)
-                prompt_segs.append(m.segment(t.token_start, 1))
             elif depth == 0:
-                decode_rows.append(row)
-                decode_reqs.append(t.request_id)
-                decode_segs.append(m.segment(t.token_start, 1))
+                offset = t.prefill_hidden_row_offset or 0
+                decode_rows.extend(range(row, row + t.num_tokens))
+                decode_slots.extend([m.slot] * t.num_tokens)
+                decode_offsets.extend(range(offset, offset + t.num_tokens))
+                decode_segs.append(m.segment(t.token_start, t.num_tokens))
             if not prefill:
-                m.position = t.token_start
+                m.position = end - 1
             else:
                 for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
                     finish_rows.extend(range(row + offset, row + offset + n))
@@ -214,10 +242,10 @@ class ModelRunner:
         static, meta, index, hidden = self._core_inputs(starts, counts, tables, rows)
         if prompt_rows or decode_rows:
             tokens = to_device(prompt_tokens, torch.int64, self.device)
-            if decode_reqs:
-                sampled_tokens, position_of = sampled_ids
-                pick = to_device([position_of[r] for r in decode_reqs], torch.int64, self.device)
-                tokens = torch.cat([tokens, sampled_tokens[pick]])
+            if decode_rows:
+                tokens = torch.cat(
+                    [tokens, self.windows.entry_tokens(decode_slots, decode_offsets)]
+                )
             entry = to_device(prompt_rows + decode_rows, torch.int64, self.device)
             segments = prompt_segs + decode_segs
             hidden[entry] = self.edges.enter(tokens, meta.positions[entry], segments)
@@ -253,7 +281,7 @@ class ModelRunner:
         a `timer` is attached."""
         if self.timer is None:
             return contextlib.nullcontext()
-        decode = [t for t in live if t.kind is RowKind.DECODE]
+        decode = [t for t in live if t.kind is not RowKind.PREFILL]  # window rows are decode
         decode_rows = sum(t.num_tokens for t in decode)
         bucket = None if static is None else static.spec.num_rows
         if not self.timer.by_context:
@@ -280,12 +308,18 @@ class ModelRunner:
         return None, meta, index, buffer[index]
 
     def _rows(self, span: StateSpan, mirror: _Mirror) -> np.ndarray:
-        """Flat hidden-state rows of a span: past the prompt, the request's decode row; in the
-        prompt, ring rows from the span's offset (derived on the chunk grid when None)."""
-        if span.token_start >= len(mirror.data.prompt_token_ids):
-            return np.array([self.states.decode_row(mirror.slot)])
+        """Flat hidden-state rows of a span: ring rows from the span's offset (prompt rows, where
+        None means derived on the chunk grid; a speculative window's rows, at the ring's start);
+        other rows past the prompt, the request's decode row."""
         offset = span.prefill_hidden_row_offset
+        if offset is None and span.token_start >= len(mirror.data.prompt_token_ids):
+            return np.array([self.states.decode_row(mirror.slot)])
         if offset is None:
             c, slots = mirror.data.chunk_size, mirror.data.ring_slots
             offset = (span.token_start // c) % slots * c + span.token_start % c
         return self.states.ring_row(mirror.slot, offset) + np.arange(span.num_tokens)
+
+
+def _merged(*reads: Callable[[], dict]) -> Callable[[], dict]:
+    """One read-back callable from several (their results in one dict)."""
+    return lambda: {k: v for read in reads for k, v in read().items()}

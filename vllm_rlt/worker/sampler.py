@@ -59,6 +59,20 @@ class SamplingTensors:
             any_top_k_top_p=bool((((top_k_t > 0) | (top_p_t < 1.0)) & ~greedy).any()),
         )
 
+    @classmethod
+    def of(cls, params, counters: list[int], num_logprobs: int, device) -> SamplingTensors:
+        """`build` from per-row settings objects (`temperature`, `top_k`, `top_p`, `seed`
+        attributes, as NewRequestData)."""
+        return cls.build(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            seeds=[p.seed for p in params],
+            counters=counters,
+            num_logprobs=num_logprobs,
+            device=device,
+        )
+
 
 @dataclass(frozen=True)
 class SamplerOutput:
@@ -73,22 +87,30 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.all_greedy:
         token_ids = greedy_ids
     else:
-        is_greedy = (t.temperature < GREEDY_TEMPERATURE_EPS) | (t.top_k == 1)
-        token_ids = torch.where(is_greedy, greedy_ids, _sample_random(logits, t, is_greedy))
+        noise = gumbel_noise(
+            t.seeds, t.counters, torch.arange(logits.shape[-1], device=logits.device)
+        )
+        random_ids = (processed_logits(logits, t) + noise).argmax(dim=-1)
+        token_ids = torch.where(greedy_rows(t), greedy_ids, random_ids)
     if t.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None)
     logprobs, logprob_token_ids = _logprobs(logits, token_ids, t.num_logprobs)
     return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
 
-def _sample_random(logits: torch.Tensor, t: SamplingTensors, is_greedy: torch.Tensor):
-    """Temperature, top-k, top-p, then Gumbel-max; rows in `is_greedy` get a throwaway value."""
-    temperature = torch.where(is_greedy, torch.ones_like(t.temperature), t.temperature)
+def greedy_rows(t: SamplingTensors) -> torch.Tensor:
+    """[N] bool: the rows that take the argmax."""
+    return (t.temperature < GREEDY_TEMPERATURE_EPS) | (t.top_k == 1)
+
+
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """[N, V] fp32 logits of the distribution random rows sample from: temperature, then top-k
+    and top-p (cut tokens at -inf); greedy rows get a throwaway value."""
+    temperature = torch.where(greedy_rows(t), torch.ones_like(t.temperature), t.temperature)
     scaled = logits.float() / temperature[:, None]
     if t.any_top_k_top_p:
         scaled = scaled.masked_fill(scaled < _cutoff(scaled, t.top_k, t.top_p), float("-inf"))
-    vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
-    return (scaled + gumbel_noise(t.seeds, t.counters, vocab_ids)).argmax(dim=-1)
+    return scaled
 
 
 def _cutoff(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

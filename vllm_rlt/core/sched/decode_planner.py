@@ -1,17 +1,21 @@
 """Decode rows of a step (`DecodePlanner.plan`): which decoding requests sample their next token
-now and which tokens run a loop, under the scheduling mode's holds."""
+now and which tokens run a loop, under the scheduling mode's holds; with speculation, the rows
+of each open window (`SpecPlanner`)."""
 
 from __future__ import annotations
 
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
+from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.request import DecodeToken, Request
 
 
 class DecodePlanner:
-    def __init__(self, scheduling_mode: str, exit_policy: ExitPolicy):
+    def __init__(self, scheduling_mode: str, exit_policy: ExitPolicy, spec: SpecPlanner | None):
+        """`spec`: the speculative planner (None: speculation off)."""
         self.scheduling_mode = scheduling_mode
         self.exit_policy = exit_policy
+        self.spec = spec
 
     @staticmethod
     def decoding(running: list[Request]) -> list[Request]:
@@ -19,8 +23,39 @@ class DecodePlanner:
         return [
             r
             for r in running
-            if not r.in_prefill and (r.decode is not None or r.ready_loops is not None)
+            if not r.in_prefill
+            and (r.decode is not None or r.ready_loops is not None or r.spec is not None)
         ]
+
+    def start(self, req: Request, token: DecodeToken, num_decoding: int) -> None:
+        """The newest sampled `token` starts looping: in a speculative window when the adaptive
+        rule takes drafts for it (`num_decoding` requests decode), else as a decode token."""
+        if self.spec is not None and self.spec.open(req, token, num_decoding):
+            return
+        req.decode = token
+        self.exit_policy.start(token, req.exit, req.request_id)
+
+    def loops_to_decision(self, req: Request) -> int:
+        """Loops the request's decode rows run before a decision about them falls due."""
+        if req.spec is not None:
+            return self.spec.loops_to_decision(req.spec)
+        return self.exit_policy.loops_to_decision(req.decode, req.exit)
+
+    def apart(self, running: list[Request], limit: int) -> bool:
+        """R7 (docs/design/scheduler.md §2): whether decode rows and prefill tasks run in
+        separate batches now, because a prompt in prefill is longer than `limit` or a decoding
+        request is past it. A mixed invocation lasts as long as its longest-context tile
+        (prefill tiles of a long prompt, or a decode row's tile, which mixed graphs do not
+        split), so riding decode rows would pay for the long context at every loop and long
+        decode rows would hold up the prefill rows. Only when every decoding token runs a fixed
+        number of loops, so that a decode step can run all of them at once."""
+        decoding = self.decoding(running)
+        prefilling = [r for r in running if r.in_prefill]
+        if not decoding or not prefilling or not self.fixed_loops(decoding):
+            return False
+        return any(r.prefill_len > limit for r in prefilling) or any(
+            r.num_tokens > limit for r in decoding
+        )
 
     def fixed_loops(self, decoding: list[Request]) -> bool:
         """Whether every token of `decoding` runs a fixed number of loops (reads no gate)."""
@@ -32,14 +67,15 @@ class DecodePlanner:
         A request whose last token is sampled but not yet read back has no work left."""
         decoding = self.decoding(running)
         ready = [r for r in decoding if r.ready_loops is not None]
-        cohort_done = len(ready) == len(decoding)
+        # open windows are no part of a cohort: they sample on their own
+        cohort_done = len(ready) == sum(r.spec is None for r in decoding)
         hold_all = self.scheduling_mode == "no_refill" and not cohort_done
         hold_next = bool(ready) and not cohort_done and self.phase_hold(decoding, ready)
-        tasks, samples = [], []
+        tasks, samples, rows = [], [], 0
         for req in decoding:
             if req.ready_loops is not None:
                 last = req.is_last_sample
-                if hold_all or not last and (hold_next or len(tasks) >= budget):
+                if hold_all or not last and (hold_next or rows >= budget):
                     continue
                 samples.append(req.request_id)
                 token = DecodeToken(position=req.num_tokens, index=req.num_sampled)
@@ -47,19 +83,24 @@ class DecodePlanner:
                 req.ready_loops = None
                 if last:
                     continue
-                req.decode = token
-                self.exit_policy.start(req.decode, req.exit, req.request_id)
-            elif len(tasks) >= budget:
+                self.start(req, token, len(decoding))
+            task = self._task(req)
+            if task is None or rows + task.num_tokens > budget:
                 continue
-            tok = req.decode
-            reads_gate = self.exit_policy.reads_gate(tok, req.exit)
-            tasks.append(
-                ScheduledRequest(
-                    req.request_id, RowKind.DECODE, tok.position, 1, tok.loops_done,
-                    reads_gate=reads_gate,
-                )
-            )  # fmt: skip
+            tasks.append(task)
+            rows += task.num_tokens
         return tasks, samples
+
+    def _task(self, req: Request) -> ScheduledRequest | None:
+        """The request's decode rows in the next step (none while a window's acceptance is
+        being read back)."""
+        if req.spec is not None:
+            return self.spec.task(req)
+        tok = req.decode
+        reads_gate = self.exit_policy.reads_gate(tok, req.exit)
+        return ScheduledRequest(
+            req.request_id, RowKind.DECODE, tok.position, 1, tok.loops_done, reads_gate=reads_gate
+        )
 
     def phase_hold(self, decoding: list[Request], ready: list[Request]) -> bool:
         """Phase hold: whether the `ready` requests (their tokens exited) wait for the others'
@@ -68,8 +109,9 @@ class DecodePlanner:
         Only when every decoding token runs the same fixed number of loops (a wait of at most
         that many loops brings them in phase for good), and not when a first token is sampled
         now: that one starts at once (the hold must not delay a time to first token), and the
-        ready requests start with it."""
+        ready requests start with it. Not while a speculative window is open (it never waits
+        at a sample)."""
         cycles = {self.exit_policy.fixed_loops(r.exit) for r in decoding}
-        if len(cycles) != 1 or None in cycles:
+        if len(cycles) != 1 or None in cycles or any(r.spec is not None for r in decoding):
             return False
         return not any(r.num_sampled == 0 and not r.is_last_sample for r in ready)

@@ -1,10 +1,11 @@
 """The plan the scheduler hands the runner each step: plain frozen data, no torch.
 
 A step runs, in order: the skipped-depth KV copies, the coda + sampling of `sample_req_ids`,
-then `loop_count` recurrent-core invocations over `requests`. Each invocation advances every live
-row one depth; a prefill task's rows drop out after depth D-1. Decode rows run every invocation
-of their batch: the scheduler gives a batch with decode rows more than one loop only when none of
-them reaches an exit decision before the last.
+the draft samples of speculative windows (`drafts`), then `loop_count` recurrent-core
+invocations over `requests`, then the acceptance of the windows verified (`verifies`). Each
+invocation advances every live row one depth; a prefill task's rows drop out after depth D-1.
+Decode and window rows run every invocation of their batch: the scheduler gives a batch with
+such rows more than one loop only when none of them reaches a decision before the last.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm_rlt.request import Request
 class RowKind(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    SPEC = "spec"  # rows of a speculative window (draft or verify, docs/design/speculative.md)
 
 
 @dataclass(frozen=True)
@@ -31,14 +33,15 @@ class ScheduledRequest:
     num_tokens: int  # rows (consecutive positions)
     depth: int  # 0-based depth of the rows in the first invocation (0 = enter via the prelude)
     # row offset into the request's prefill hidden-state ring (slot * chunk_size + offset in
-    # the chunk); None = the runner derives it from token_start on the chunk grid
+    # the chunk); None = the runner derives it from token_start on the chunk grid. SPEC rows:
+    # the window offset of token_start (the window's rows live at the start of the ring)
     prefill_hidden_row_offset: int | None = None
     # decode rows: the exit policy needs this loop's gate logit (the runner reads it back)
     reads_gate: bool = False
 
     def state_span(self) -> StateSpan:
         """Where these rows' hidden state lives (decode rows: the request's decode row)."""
-        offset = self.prefill_hidden_row_offset if self.kind is RowKind.PREFILL else None
+        offset = self.prefill_hidden_row_offset if self.kind is not RowKind.DECODE else None
         return StateSpan(self.request_id, self.token_start, self.num_tokens, offset)
 
 
@@ -49,8 +52,8 @@ class StateSpan:
     request_id: str  # owner of the rows
     token_start: int  # first position
     num_tokens: int  # rows
-    # ring row of token_start for prompt rows (None: derived on the chunk grid); rows past the
-    # prompt live in the request's decode row
+    # ring row of token_start for prompt rows and speculative windows (None: derived on the
+    # chunk grid); other rows past the prompt live in the request's decode row
     prefill_hidden_row_offset: int | None
 
 
@@ -68,10 +71,9 @@ class NewRequestData:
     seed: int  # always set: the scheduler draws one for unseeded requests
     num_logprobs: int  # top alternatives to return per token; -1 = none
     init_scale: float  # scale of a random initial recurrent state (Huginn); 0 = zero state
-    # a resumed request (preempted, now recomputing): tokens sampled before, and the newest of
-    # them, which its first decode row takes (prompt_token_ids then holds the prompt and the
-    # output tokens fed back before it)
-    num_sampled: int = 0
+    # a resumed request (preempted, now recomputing): the newest token sampled before, which its
+    # first decode row takes (prompt_token_ids then holds the prompt and the output tokens fed
+    # back before it)
     resume_token: int | None = None
     # loops each fed-back output position runs (they follow the prompt in prompt_token_ids)
     resumed_loops: tuple[int, ...] = ()
@@ -91,10 +93,29 @@ class NewRequestData:
             seed=req.seed,
             num_logprobs=-1 if params.logprobs is None else params.logprobs,
             init_scale=1.0 if params.init_scale is None else params.init_scale,
-            num_sampled=len(outputs),
             resume_token=outputs[-1] if outputs else None,
             resumed_loops=tuple(req.output_exit_depths[1 : req.resume_tokens + 1]),
         )
+
+
+@dataclass(frozen=True)
+class DraftSample:
+    """A draft token sampled at the start of a step: the coda of a window position's state after
+    the draft loops gives the token of the next position (docs/design/speculative.md)."""
+
+    request_id: str  # the window's request
+    offset: int  # window offset of the drafted token (1..num_drafts); from offset - 1's state
+    index: int  # output index the token would take (the sampler's counter)
+
+
+@dataclass(frozen=True)
+class VerifySample:
+    """A window whose verify loops end in this step: after the invocations, the coda of its
+    positions' final states accepts a prefix of the drafts plus one token of the target."""
+
+    request_id: str  # the window's request
+    num_drafts: int  # drafted tokens (window rows: num_drafts + 1)
+    index: int  # output index of the first drafted token (the window's first token's + 1)
 
 
 @dataclass(frozen=True)
@@ -108,6 +129,9 @@ class ExecutionBatch:
     # requests whose next token is sampled at the start of this step (coda of their state);
     # a DECODE row at depth 0 of such a request takes that token
     sample_req_ids: tuple[str, ...] = ()
+    sample_indices: tuple[int, ...] = ()  # output index of each sample (the sampler's counter)
+    drafts: tuple[DraftSample, ...] = ()  # draft tokens sampled after `sample_req_ids`
+    verifies: tuple[VerifySample, ...] = ()  # windows accepted after the invocations
     finished_req_ids: tuple[str, ...] = ()  # requests the runner forgets before this step
 
     @property
@@ -131,6 +155,22 @@ class SampledToken:
 class RunnerOutput:
     """What the scheduler needs back from a step (host data)."""
 
-    sampled: dict[str, SampledToken]  # request_id -> token sampled this step
+    # request_id -> token sampled this step; a window verified in it: the accepted tokens
+    sampled: dict[str, SampledToken | tuple[SampledToken, ...]]
     # gate logits of the decode rows of the (single) invocation that `reads_gate`, in plan order
     decode_gate_logits: tuple[float, ...]
+
+
+def split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+    """(decode and window tasks, prefill tasks) of `tasks`, in order."""
+    decode = [t for t in tasks if t.kind is not RowKind.PREFILL]
+    return decode, [t for t in tasks if t.kind is RowKind.PREFILL]
+
+
+def by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRequest]]:
+    """`tasks` (of `kind`, or all) grouped by request, in order."""
+    out: dict[str, list[ScheduledRequest]] = {}
+    for t in tasks:
+        if kind is None or t.kind is kind:
+            out.setdefault(t.request_id, []).append(t)
+    return out

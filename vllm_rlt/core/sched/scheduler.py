@@ -26,11 +26,12 @@ been. A request admitted in this step that does not fit goes back unannounced.
       arrivals are admitted within that many loops;
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
-  R7. decode apart from long prefill (`_apart`): while a prompt in prefill or a decoding
-      position is past `max_context_with_decode` (always, for a model that needs atomic
-      prefill), decode-only steps, which run to the first exit
-      decision (R1 even with prompts in prefill), and prefill-only batches of the whole budget
-      (R2-R6) take turns.
+  R7. decode apart from long prefill (`DecodePlanner.apart`): while a prompt in prefill or a
+      decoding position is past `max_context_with_decode` (always, for a model that needs
+      atomic prefill), decode-only steps, which run to the first exit decision (R1 even with
+      prompts in prefill), and prefill-only batches of the whole budget (R2-R6) take turns.
+Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
+rows; for R1 a window's rows decide when their draft or verify loops are done.
 Merely having waiting requests, or possible preemptions, does not split a batch.
 """
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.decode_planner import DecodePlanner
 from vllm_rlt.core.sched.execution_batch import (
@@ -47,11 +48,14 @@ from vllm_rlt.core.sched.execution_batch import (
     RowKind,
     RunnerOutput,
     ScheduledRequest,
+    by_request,
+    split_kinds,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.kv_demand import kv_demand
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
+from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
 
 
@@ -63,16 +67,21 @@ class Scheduler:
         exit_policy: ExitPolicy,
         num_loops: int,
         atomic_prefill: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ):
         """`atomic_prefill`: the model needs every prefill batch to run all its loops (Huginn):
-        mixed scheduling then always keeps decode rows and prefill apart (R7)."""
+        mixed scheduling then always keeps decode rows and prefill apart (R7). `speculative`:
+        self-speculative decoding settings (None or 0 drafts: off)."""
         self.config = config
         self.atomic_prefill = atomic_prefill
         self.kv = kv_manager
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.planner = make_planner(config, kv_manager.layout, num_loops)
-        self.decode = DecodePlanner(config.scheduling_mode, exit_policy)
+        self.spec = None
+        if speculative is not None and speculative.num_speculative_tokens:
+            self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
+        self.decode = DecodePlanner(config.scheduling_mode, exit_policy, self.spec)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -127,13 +136,15 @@ class Scheduler:
         admitted = self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
-        self._apart_now = self.config.scheduling_mode == "mixed" and self._apart()
+        mixed = self.config.scheduling_mode == "mixed"
+        limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
+        self._apart_now = mixed and self.decode.apart(self.running, limit)
         if self._apart_now:
             tasks, loops = self._take_turn(budget, samples, admitted)
-        elif self.config.scheduling_mode == "mixed":
+        elif mixed:
             self._prefill_turn = False
             decode_tasks, samples = self.decode.plan(self.running, budget)
-            prefill_budget = budget - len(decode_tasks)
+            prefill_budget = budget - sum(t.num_tokens for t in decode_tasks)
             cap = self.config.prefill_rows_with_decode
             if decode_tasks and cap is not None:
                 prefill_budget = min(prefill_budget, cap)
@@ -147,6 +158,7 @@ class Scheduler:
                 tasks, loops = self._place(decode_tasks, [], samples, admitted)
         new = tuple(self._new)
         changed = [r for r in self.kv.take_changed() if r in self.requests]
+        drafts, verifies = self.spec.samples(tasks, loops, self.requests) if self.spec else ((), ())
         batch = ExecutionBatch(
             requests=tuple(tasks),
             loop_count=loops,
@@ -160,6 +172,9 @@ class Scheduler:
                 for pair in self.kv.exit_copy_slots(rid, pos, depth)
             ),
             sample_req_ids=tuple(samples),
+            sample_indices=tuple(self.requests[r].num_sampled - 1 for r in samples),
+            drafts=drafts,
+            verifies=verifies,
             finished_req_ids=tuple(self._finished),
         )  # fmt: skip
         self._new, self._exits, self._finished = [], [], []
@@ -175,7 +190,7 @@ class Scheduler:
         watermark = self.kv.num_total_blocks // 100
         while len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            if req is None or req.pending_exit_depths:
+            if req is None or req.pending_exit_depths or req.spec is not None:
                 break
             req.resume_tokens = max(0, len(req.output_token_ids) - 1)
             ids = req.prefill_token_ids()
@@ -224,7 +239,7 @@ class Scheduler:
         for (req_id, plane), end in need.items():
             self.kv.allocate(req_id, plane, end)
         if len(tasks) < len(decode_tasks) + len(prefill_tasks):  # victims' work left the plan
-            loops = min(loops, self._loop_count(*_split_kinds(tasks)))
+            loops = min(loops, self._loop_count(*split_kinds(tasks)))
         return tasks, loops
 
     def _victim_key(self, req: Request) -> tuple:
@@ -248,27 +263,11 @@ class Scheduler:
         if sampled_now:  # the token this step would have sampled
             req.pending_exit_depths.pop()
         req.pieces, req.decode, req.ready_loops = [], None, None
+        if req.spec is not None and not req.spec.verified:  # (a verified one's tokens are coming)
+            req.spec = None
         req.num_prefilled_tokens = req.prefill_reclaimable_tokens = 0
         req.status = RequestStatus.WAITING
         self.waiting.push_front(req)
-
-    def _apart(self) -> bool:
-        """R7: whether decode rows and prefill tasks run in separate batches now. A mixed
-        invocation lasts as long as its longest-context tile (prefill tiles of a long prompt, or
-        a decode row's tile, which mixed graphs do not split), so riding decode rows would pay
-        for the long context at every loop and long decode rows would hold up the prefill rows.
-        Only when every decoding token runs a fixed number of loops, so that a decode step can
-        run all of them at once."""
-        limit = self.config.max_context_with_decode
-        decoding = self.decode.decoding(self.running)
-        prefilling = [r for r in self.running if r.in_prefill]
-        if not decoding or not prefilling or not self.decode.fixed_loops(decoding):
-            return False
-        return (
-            self.atomic_prefill
-            or any(r.prefill_len > limit for r in prefilling)
-            or any(r.num_tokens > limit for r in decoding)
-        )
 
     def _take_turn(self, budget: int, samples: list[str], admitted: dict):
         """R7's batch: prefill's turn takes the whole budget, decode's runs every decoding token
@@ -299,7 +298,7 @@ class Scheduler:
             loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4
             loops = min(loops, self.config.max_prefill_stall_loops)
-        for req_id, tasks in _by_request(prefill_tasks).items():
+        for req_id, tasks in by_request(prefill_tasks).items():
             req = self.requests[req_id]
             if not self.planner.atomic_loops(req, tasks, loops):  # R3
                 return 1
@@ -309,10 +308,7 @@ class Scheduler:
     def _decode_loops(self, decode_tasks, prefill_tasks) -> int:
         if prefill_tasks or not self._apart_now and any(r.in_prefill for r in self.running):
             return 1
-        return min(
-            self.exit_policy.loops_to_decision(req.decode, req.exit)
-            for req in (self.requests[t.request_id] for t in decode_tasks)
-        )
+        return min(self.decode.loops_to_decision(self.requests[t.request_id]) for t in decode_tasks)
 
     # ---- update -----------------------------------------------------------------------------
     def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:
@@ -326,13 +322,15 @@ class Scheduler:
         the next step can be scheduled before they are read back."""
         gates = iter(decode_gate_logits)
         for task in batch.requests:
-            if task.kind is not RowKind.DECODE:
+            if task.kind is RowKind.PREFILL:
                 continue
             gate = next(gates) if task.reads_gate else None
             req = self.requests.get(task.request_id)
             if req is not None and req.decode is not None:
                 self._after_loops(req, gate, batch.loop_count)
-        for req_id, tasks in _by_request(batch.requests, RowKind.PREFILL).items():
+            elif req is not None and req.spec is not None:
+                self.spec.advance(req.spec, batch.loop_count)
+        for req_id, tasks in by_request(batch.requests, RowKind.PREFILL).items():
             req = self.requests.get(req_id)
             if req is None:
                 continue
@@ -350,8 +348,8 @@ class Scheduler:
             req.ready_loops = self.num_loops
             return
         index = len(req.output_token_ids) - 1
-        req.decode = DecodeToken(position=req.prefill_len, index=index)
-        self.exit_policy.start(req.decode, req.exit, req.request_id)
+        token = DecodeToken(position=req.prefill_len, index=index)
+        self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
     def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
         """The tokens `batch` sampled (request_id -> SampledToken), oldest unread first: stop
@@ -363,7 +361,28 @@ class Scheduler:
             if req is not None and req.pending_exit_depths:
                 self._append_token(req, sampled[req_id])
                 touched.append(req)
+        for verify in batch.verifies:
+            req = self.requests.get(verify.request_id)
+            if req is not None and req.spec is not None and req.spec.verified:
+                self._accept(req, sampled[verify.request_id])
+                touched.append(req)
         return touched
+
+    def _accept(self, req: Request, tokens) -> None:
+        """A verified window's tokens (accepted drafts, then the target's token): appended up to
+        a stop; the KV of the positions after them is dropped, and the newest token loops next
+        (a preempted request gets it when it resumes)."""
+        window, req.spec = req.spec, None
+        self.spec.record(window, len(tokens))
+        for token in tokens:
+            req.pending_exit_depths.append(self.num_loops)
+            self._append_token(req, token)
+            if req.status.finished:
+                return
+        if req.status is RequestStatus.RUNNING:
+            self.kv.truncate(req.request_id, req.num_tokens - 1)
+            token = DecodeToken(position=req.num_tokens - 1, index=req.num_sampled - 1)
+            self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
     def _append_token(self, req: Request, sampled) -> None:
         req.output_token_ids.append(sampled.token_id)
@@ -389,16 +408,3 @@ class Scheduler:
         req.ready_loops = tok.loops_done
         if tok.loops_done < self.kv.num_loop_planes:
             self._exits.append((req.request_id, tok.position, tok.loops_done - 1))
-
-
-def _split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
-    decode = [t for t in tasks if t.kind is RowKind.DECODE]
-    return decode, [t for t in tasks if t.kind is RowKind.PREFILL]
-
-
-def _by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRequest]]:
-    out: dict[str, list[ScheduledRequest]] = {}
-    for t in tasks:
-        if kind is None or t.kind is kind:
-            out.setdefault(t.request_id, []).append(t)
-    return out

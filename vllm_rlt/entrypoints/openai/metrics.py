@@ -107,7 +107,22 @@ class _EngineCollector:
             "Tasks (row ranges of one request at one depth) over all invocations.",
             stats.get("tasks", 0),
         )
+        for key, metric, help in [
+            ("spec_windows", "vllm:spec_decode_num_drafts", "Speculative windows verified."),
+            ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Draft tokens verified."),
+            (
+                "spec_accepted_tokens",
+                "vllm:spec_decode_num_accepted_tokens",
+                "Draft tokens accepted (each window also emits one token of the target).",
+            ),
+        ]:
+            yield one(c, metric, help, stats.get(key, 0))
         for key, help in [
+            ("spec_acceptance_rate", "Accepted / drafted tokens of speculative decoding."),
+            (
+                "spec_mean_accepted_length",
+                "Mean tokens per speculative window (accepted drafts + the target's token).",
+            ),
             ("rows_per_invocation", "Mean rows per recurrent-core invocation."),
             ("tasks_per_invocation", "Mean tasks per recurrent-core invocation."),
             ("loops_per_token", "Mean loops (exit depth) per generated token."),

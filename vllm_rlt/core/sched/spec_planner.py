@@ -1,0 +1,154 @@
+"""Self-speculative decoding on the scheduler's side (docs/design/speculative.md): when a window
+opens and how many tokens it drafts (the adaptive rule), its rows in each step, how its loops
+advance, and the counters of drafted and accepted tokens.
+
+A window starts at the newest sampled token (position `start`). Each of its `K + 1` positions
+runs the draft loops (depths 0..d-1) in turn; at the start of the step after a position's draft
+loops the runner samples the next position's draft token from that state (`DraftSample`). Then
+the `K + 1` positions run depths d..D-1 together (verify); after the step whose invocations
+finish them, the runner accepts a prefix of the drafts plus one token (`VerifySample`) and the
+scheduler appends the accepted tokens once they are read back.
+"""
+
+from __future__ import annotations
+
+from vllm_rlt.config import SpeculativeConfig
+from vllm_rlt.core.sched.execution_batch import (
+    DraftSample,
+    RowKind,
+    ScheduledRequest,
+    VerifySample,
+)
+from vllm_rlt.request import DecodeToken, Request, SpecWindow
+
+PRIOR_ACCEPTANCE = 0.7  # the adaptive rule's acceptance rate before any draft was verified
+PRIOR_WEIGHT = 8  # drafts the prior counts as
+
+
+class SpecPlanner:
+    def __init__(self, config: SpeculativeConfig, num_loops: int, max_rows: int):
+        """`max_rows`: rows of one invocation (a window's verify rows must fit)."""
+        self.config = config
+        self.num_loops = num_loops
+        self.draft_loops = config.speculative_draft_loops
+        self.max_drafts = min(config.num_speculative_tokens, max_rows - 1)
+        costs = config.invocation_costs() if config.speculative_invocation_costs else None
+        self.costs = costs
+        self.num_windows = 0  # windows verified and read back
+        self.num_drafted = 0  # draft tokens those windows verified
+        self.num_accepted = 0  # draft tokens accepted (each window also emits one target token)
+
+    # ---- the adaptive rule ------------------------------------------------------------------
+    def num_drafts(self, num_decoding: int, remaining: int) -> int:
+        """Drafts of a window that opens while `num_decoding` requests decode, for a request
+        that may sample `remaining` more tokens (the window emits up to drafts + 1)."""
+        most = min(self.max_drafts, remaining - 1)
+        if most <= 0 or num_decoding > self.config.speculative_max_decode_rows:
+            return 0
+        if self.costs is None:
+            return most
+        rate = [self.tokens_per_cost(k, num_decoding) for k in range(most + 1)]
+        return max(range(most + 1), key=lambda k: (rate[k], -k))
+
+    def acceptance(self) -> float:
+        """Acceptance rate per draft so far, starting from the prior."""
+        prior = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+        return (self.num_accepted + prior) / (self.num_drafted + PRIOR_WEIGHT)
+
+    def tokens_per_cost(self, k: int, rows: int) -> float:
+        """The cost model: expected tokens per window over the window's invocation costs when
+        `rows` requests each run a window of `k` drafts (k = 0: plain decoding, D invocations
+        of `rows` rows per token)."""
+        a, d, depth = self.acceptance(), self.draft_loops, self.num_loops
+        tokens = k + 1 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+        cost = (k + 1) * d * self.cost(rows) + (depth - d) * self.cost(rows * (k + 1))
+        return tokens / cost
+
+    def cost(self, rows: int) -> float:
+        """One invocation's cost at `rows` rows, interpolated linearly in the table: flat below
+        its first point, along its last segment above its last (proportional to rows for a
+        table of one point)."""
+        points = self.costs
+        if rows <= points[0][0]:
+            return points[0][1]
+        if len(points) == 1:
+            return points[0][1] * rows / points[0][0]
+        segment = next((i for i in range(1, len(points)) if rows <= points[i][0]), len(points) - 1)
+        (r0, c0), (r1, c1) = points[segment - 1], points[segment]
+        return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+
+    # ---- windows ----------------------------------------------------------------------------
+    def open(self, req: Request, token: DecodeToken, num_decoding: int) -> bool:
+        """Open a window at the newest sampled `token` when the rule takes drafts for it
+        (requests that ask for logprobs decode plainly)."""
+        if req.sampling_params.logprobs is not None:
+            return False
+        remaining = req.sampling_params.max_tokens - req.num_sampled
+        k = self.num_drafts(num_decoding, remaining)
+        if k:
+            req.spec = SpecWindow(start=token.position, index=token.index, num_drafts=k)
+        return bool(k)
+
+    def task(self, req: Request) -> ScheduledRequest | None:
+        """The window's rows in the next step: the drafting position at its next depth, or
+        every position at its next verify depth; none while the acceptance is being read."""
+        w = req.spec
+        if w.verified:
+            return None
+        if not w.verifying:
+            position = w.start + w.offset
+            return ScheduledRequest(
+                req.request_id, RowKind.SPEC, position, 1, w.loops_done,
+                prefill_hidden_row_offset=w.offset,
+            )  # fmt: skip
+        depth = self.draft_loops + w.loops_done
+        return ScheduledRequest(
+            req.request_id, RowKind.SPEC, w.start, w.num_drafts + 1, depth,
+            prefill_hidden_row_offset=0,
+        )  # fmt: skip
+
+    def loops_to_decision(self, w: SpecWindow) -> int:
+        """Loops the window's rows run before the scheduler has something to do for them."""
+        if w.verifying:
+            return self.num_loops - self.draft_loops - w.loops_done
+        return self.draft_loops - w.loops_done
+
+    def advance(self, w: SpecWindow, loops: int) -> None:
+        """The window's rows ran `loops` loops."""
+        w.loops_done += loops
+        if not w.verifying and w.loops_done == self.draft_loops:
+            w.offset, w.loops_done = w.offset + 1, 0
+        elif w.verifying and w.loops_done == self.num_loops - self.draft_loops:
+            w.verified = True
+
+    def samples(self, tasks, loops: int, requests: dict[str, Request]):
+        """The draft samples that open this step and the acceptances that close it, for the
+        window rows among `tasks` (a step of `loops` loops)."""
+        drafts, verifies = [], []
+        for t in tasks:
+            if t.kind is not RowKind.SPEC:
+                continue
+            w = requests[t.request_id].spec
+            if t.depth == 0 and w.offset:
+                drafts.append(DraftSample(t.request_id, w.offset, w.index + w.offset))
+            if w.verifying and t.depth + loops == self.num_loops:
+                verifies.append(VerifySample(t.request_id, w.num_drafts, w.index + 1))
+        return tuple(drafts), tuple(verifies)
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters, the acceptance rate (accepted / drafted tokens) and the mean accepted
+        length (tokens per window: accepted drafts + the target's token)."""
+        windows, drafted, accepted = self.num_windows, self.num_drafted, self.num_accepted
+        return {
+            "spec_windows": windows,
+            "spec_draft_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
+        }
+
+    def record(self, w: SpecWindow, num_tokens: int) -> None:
+        """A window's acceptance was read back: `num_tokens` tokens (accepted drafts + one)."""
+        self.num_windows += 1
+        self.num_drafted += w.num_drafts
+        self.num_accepted += num_tokens - 1
