@@ -45,6 +45,7 @@ from vllm_rlt.core.sched.execution_batch import (
     NewRequestData,
     RowKind,
     RunnerOutput,
+    SampledToken,
     ScheduledRequest,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
@@ -193,6 +194,27 @@ class Scheduler:
             planner = self.planner
             self._new.append(NewRequestData.of(req, planner.ring_slots, planner.chunk_size))
         return admitted
+
+    def add_prefilled(self, req: Request, first: SampledToken) -> None:
+        """Take in a request whose whole prompt another engine prefilled (a prefill/decode
+        import): its blocks hold every prompt position in every plane (reserved and filled by
+        the caller), `first` is its first token, sampled there at full depth. Its prefill
+        fields start from what arrived (the whole prompt) and it decodes from its next step,
+        as a resumed request does; it may end on that token at once (a stop or max_tokens)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        req.num_prefilled_tokens = req.prefill_reclaimable_tokens = req.prefill_len
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._ranks)
+        self.running.append(req)
+        req.pending_exit_depths.append(self.num_loops)
+        self._append_token(req, first)
+        if req.status.finished:
+            return
+        self.kv.mark_changed(req.request_id)
+        self._new.append(NewRequestData.of(req, self.planner.ring_slots, self.planner.chunk_size))
+        self._start_decoding(req)
 
     def _count_prefix(self, queried: int, found: int) -> None:
         self.prefix_queries += queried
