@@ -11,7 +11,6 @@ chunks still in flight for it are received and dropped.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -97,7 +96,7 @@ class DecodeRole(_Role):
                 ]
                 self.receiver.write(chunk, planes)
             if imp.first_chunk_at is None:
-                imp.first_chunk_at = time.monotonic()
+                imp.first_chunk_at = chunk.arrived_at
             imp.complete |= chunk.last
         self._start()
 

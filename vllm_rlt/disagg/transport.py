@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -58,6 +59,7 @@ class Chunk:
     num_blocks: int  # blocks per plane (0: only the `last` mark)
     last: bool  # no more blocks of this request follow
     payload: torch.Tensor | None  # [L, 2, P * num_blocks, block_size, Hkv, d]
+    arrived_at: float  # time.monotonic() when its receive completed
 
 
 class KVSender:
@@ -134,7 +136,7 @@ class KVReceiver:
                     shape = (L, two, self.num_planes * count, bs, h, d)
                     payload = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
                     dist.recv(payload, peer, group=group)
-                self._arrived.put(Chunk(handle, first, count, bool(last), payload))
+                self._arrived.put(Chunk(handle, first, count, bool(last), payload, time.monotonic()))
         except RuntimeError:
             logger.warning("the KV link from rank %d failed; that peer is gone", peer)
 
