@@ -136,7 +136,9 @@ class KVReceiver:
                     shape = (L, two, self.num_planes * count, bs, h, d)
                     payload = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
                     dist.recv(payload, peer, group=group)
-                self._arrived.put(Chunk(handle, first, count, bool(last), payload, time.monotonic()))
+                self._arrived.put(
+                    Chunk(handle, first, count, bool(last), payload, time.monotonic())
+                )
         except RuntimeError:
             logger.warning("the KV link from rank %d failed; that peer is gone", peer)
 

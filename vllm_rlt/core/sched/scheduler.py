@@ -208,6 +208,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._order[req.request_id] = next(self._ranks)
         self.running.append(req)
+        self.kv.cache_prompt(req.request_id, req.prompt_token_ids, req.num_prompt_tokens)
         req.pending_exit_depths.append(self.num_loops)
         self._append_token(req, first)
         if req.status.finished:
@@ -253,12 +254,14 @@ class Scheduler:
     def _preempt(self, req: Request, sampled_now: bool, admitted_now) -> None:
         """Free `req`'s blocks and send it back to the front of the queue; it keeps its output
         tokens and their exit depths and recomputes the rest when it resumes. `admitted_now`:
-        its prefix-cache lookup when it was admitted in this step (then it is withdrawn)."""
+        its prefix-cache lookup when it was admitted in this step (then it is withdrawn, as is
+        a request imported since the last step)."""
         self.running.remove(req)
         self._release(req.request_id)
-        if admitted_now is not None:  # the runner has not heard of it: withdraw it
-            self._new = [n for n in self._new if n.request_id != req.request_id]
+        if admitted_now is not None:
             self._count_prefix(-admitted_now[0], -admitted_now[1])
+        if any(n.request_id == req.request_id for n in self._new):  # the runner has not heard
+            self._new = [n for n in self._new if n.request_id != req.request_id]
         else:
             self._finished.append(req.request_id)
             self.num_preemptions += 1
