@@ -2,20 +2,21 @@
 workloads (staggered arrivals, prompts 1-300, chunks 1-64, atomic / split / WCPB on the
 prefill side, early exit on and off) give every request the tokens and exit depths a single
 engine gives; no block leaks on either side; a multi-chunk prompt's first chunk reaches the
-decode engine before the prefill engine has finished the prompt."""
+decode engine before the prefill engine has finished the prompt. The workloads are the WCPB
+suite's (`tests/engine/test_wcpb.py`)."""
 
 from __future__ import annotations
 
 import asyncio
-import random
+import itertools
 
 import pytest
 
 from tests.engine.harness import Job, compare, make_engine, run_batched
+from tests.engine.test_wcpb import workload
 from vllm_rlt.config import DisaggConfig, EngineConfig
 from vllm_rlt.disagg.router import PDRouter
 from vllm_rlt.models.tiny import write_tiny_ouro
-from vllm_rlt.sampling_params import SamplingParams
 
 MODES = {
     "atomic": {"scheduling_mode": "refill"},
@@ -31,25 +32,14 @@ def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=21)
 
 
-def workload(seed: int) -> tuple[list[Job], dict]:
-    rng = random.Random(seed)
-    jobs = []
-    for i in range(8):
-        prompt = rng.choices(range(256), k=rng.choice([rng.randint(1, 40), rng.randint(1, 300)]))
-        params = SamplingParams(
-            max_tokens=rng.randint(1, 6),
-            temperature=rng.choice([0.0, 0.0, 1.0]),
-            seed=rng.randrange(10**6),
-            exit_threshold=rng.choice([1.0, 0.3, 0.5, 0.8]),  # 1.0: exits off
-            ignore_eos=True,
-        )
-        jobs.append(Job(f"w{i}", prompt, params, rng.randint(0, 8)))
-    settings = {
-        "prefill_chunk_size": rng.randint(1, 64),
-        "max_num_batched_tokens": rng.randint(16, 64),
-        "max_num_seqs": rng.randint(2, 8),
-    }
-    return jobs, settings
+def multi_chunk_workload(first_seed: int) -> tuple[list[Job], dict]:
+    """The WCPB suite's random workload (test_wcpb.workload) of the first seed from
+    `first_seed` on with a prompt of three chunks or more."""
+    for seed in itertools.count(first_seed):
+        jobs, settings = workload(seed)
+        if any(len(j.prompt) > 2 * settings["prefill_chunk_size"] for j in jobs):
+            return jobs, settings
+    raise AssertionError("unreachable")
 
 
 async def run_pd(router: PDRouter, jobs: list[Job]) -> dict[str, tuple]:
@@ -66,7 +56,7 @@ async def run_pd(router: PDRouter, jobs: list[Job]) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_pd_equals_single_engine(model_dir, mode):
-    jobs, settings = workload(list(MODES).index(mode))
+    jobs, settings = multi_chunk_workload(10 * list(MODES).index(mode))
     settings |= MODES[mode]
     single = make_engine(model_dir, **settings)
     want = run_batched(single, jobs)
@@ -89,8 +79,8 @@ def test_pd_equals_single_engine(model_dir, mode):
         assert status.num_free_blocks == status.num_total_blocks
         assert status.num_running == status.num_waiting == 0
     chunk = settings["prefill_chunk_size"]
-    multi = [j for j in jobs if len(j.prompt) > chunk and len(j.prompt) > 4]
-    assert multi, "the workload has a multi-chunk prompt"
-    for job in multi:  # the transfer overlapped the prefill of later chunks
+    # the transfer overlapped the prefill of later chunks (prompts of three chunks or more: the
+    # last one completes at least two steps after the first)
+    for job in [j for j in jobs if len(j.prompt) > 2 * chunk]:
         t = router.timings[job.req_id]
         assert t["first_chunk_at"] < t["prefill_done_at"], job.req_id
