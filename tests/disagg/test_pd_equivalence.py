@@ -54,14 +54,22 @@ async def run_pd(router: PDRouter, jobs: list[Job]) -> dict[str, tuple]:
     return dict(await asyncio.gather(*(one(j) for j in jobs)))
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_pd_equals_single_engine(model_dir, mode):
+@pytest.mark.parametrize(
+    "mode,device",
+    [
+        *((mode, "cpu") for mode in MODES),
+        # one GPU: both engines on it, the KV through host memory over gloo
+        pytest.param("wcpb", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_pd_equals_single_engine(model_dir, mode, device):
     jobs, settings = multi_chunk_workload(10 * list(MODES).index(mode))
     settings |= MODES[mode]
-    single = make_engine(model_dir, **settings)
+    backend = "torch" if device == "cpu" else "triton"
+    single = make_engine(model_dir, device, backend, **settings)
     want = run_batched(single, jobs)
     config = EngineConfig.from_kwargs(
-        model=str(model_dir), device="cpu", attention_backend="torch", dtype="float32",
+        model=str(model_dir), device=device, attention_backend=backend, dtype="float32",
         num_kv_blocks=4096, block_size=4, **settings,
     )  # fmt: skip
     router = PDRouter(config, DisaggConfig(pd_prefill=1, pd_decode=1), record_timings=True)
