@@ -2,7 +2,8 @@
 driven with the `openai` client over real HTTP. 100 concurrent streaming requests get a single
 engine's outputs; with one decode engine killed mid-run, the other requests still do, the
 killed engine's requests end with an error, nothing hangs, /health reports the degraded state
-and the surviving engines hold no blocks once idle."""
+and the surviving engines hold no blocks once idle; then the same with a prefill engine killed.
+Clients that disconnect mid-stream leave no blocks behind either."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def single_engine_texts(model_dir, work) -> list[str]:
     return [done[str(i)] for i in range(len(work))]
 
 
-async def stream(client, prompt, params: SamplingParams, started: asyncio.Event) -> str:
+async def stream(client, prompt, params: SamplingParams, started: asyncio.Event, leave: bool):
+    """The streamed text; `leave`: disconnect after the first chunk (None)."""
     out = await client.completions.create(
         model="tiny", prompt=prompt, max_tokens=params.max_tokens, temperature=params.temperature,
         seed=params.seed, stream=True,
@@ -75,27 +77,45 @@ async def stream(client, prompt, params: SamplingParams, started: asyncio.Event)
     text = ""
     async for chunk in out:
         started.set()
+        if leave:
+            await out.close()
+            return None
         text += "".join(c.text for c in chunk.choices)
     return text
 
 
-async def run_all(url: str, work, on_started=None) -> list[str | Exception]:
-    """Every job at once; each result is the streamed text or the error that ended it.
+async def run_all(url: str, work, on_started=None, leave=()) -> list[str | None | Exception]:
+    """Every job at once; each result is the streamed text, None for the jobs in `leave`
+    (their clients disconnect after the first chunk), or the error that ended it.
     `on_started` runs once some stream has received a chunk."""
     async with openai.AsyncOpenAI(
         base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S
     ) as client:
         started = asyncio.Event()
-        tasks = [asyncio.create_task(stream(client, p, s, started)) for p, s in work]
+        tasks = [
+            asyncio.create_task(stream(client, p, s, started, i in leave))
+            for i, (p, s) in enumerate(work)
+        ]
         if on_started is not None:
             await started.wait()
             on_started()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def decode_pids(log: str) -> list[int]:
-    found = re.search(r"decode engines: pids \[([\d, ]+)\]", log)
+def engine_pids(log: str, role: str) -> list[int]:
+    found = re.search(role + r" engines: pids \[([\d, ]+)\]", log)
     return [int(p) for p in found.group(1).split(",")]
+
+
+def check_partial(got, want) -> None:
+    """Some requests ended with an error (the killed engine's), the others have their
+    single-engine outputs."""
+    failed = [g for g in got if isinstance(g, Exception)]
+    assert failed, "the killed engine's requests end with an error"
+    assert all(isinstance(g, openai.APIError) for g in failed), failed[:3]
+    done = [(g, w) for g, w in zip(got, want, strict=True) if isinstance(g, str)]
+    assert done, "the other engines' requests complete"
+    assert all(g == w for g, w in done)
 
 
 def wait_free(url: str) -> None:
@@ -108,32 +128,31 @@ def wait_free(url: str) -> None:
         time.sleep(0.1)
 
 
-def test_2p2d_streams_then_a_decode_engine_dies(model_dir, tmp_path):
+def test_2p2d_streams_then_a_decode_and_a_prefill_engine_die(model_dir, tmp_path):
     work = jobs(0, 100, 8)
     long_work = jobs(1, 100, 24)
     want = single_engine_texts(model_dir, work)
     want_long = single_engine_texts(model_dir, long_work)
+    leave = set(range(0, 100, 10))  # these clients disconnect after their first chunk
+
+    def run(items, on_started=None, leave=()):
+        return asyncio.run(asyncio.wait_for(run_all(srv.url, items, on_started, leave), TIMEOUT_S))
+
     with ServeProcess(tmp_path / "serve.log", flags(model_dir)) as srv:
-        got = asyncio.run(asyncio.wait_for(run_all(srv.url, work), TIMEOUT_S))
-        assert got == want
+        got = run(work, leave=leave)
+        assert got == [None if i in leave else w for i, w in enumerate(want)]
         wait_free(srv.url)
 
-        victim = decode_pids(srv.log())[1]
-        got = asyncio.run(
-            asyncio.wait_for(
-                run_all(srv.url, long_work, lambda: os.kill(victim, signal.SIGKILL)), TIMEOUT_S
-            )
-        )
-        failed = [g for g in got if isinstance(g, Exception)]
-        assert failed, "the killed engine's requests end with an error"
-        assert all(isinstance(g, openai.APIError) for g in failed), failed[:3]
-        done = [(g, w) for g, w in zip(got, want_long, strict=True) if isinstance(g, str)]
-        assert done, "the other decode engine's requests complete"
-        assert all(g == w for g, w in done)  # with their single-engine outputs
-
+        victim = engine_pids(srv.log(), "decode")[1]
+        check_partial(run(long_work, lambda: os.kill(victim, signal.SIGKILL)), want_long)
         health = httpx.get(srv.url + "/health")
         assert health.status_code == 503
         assert "degraded: decode engine 1" in health.json()["error"]["message"]
         wait_free(srv.url)  # the survivors freed the failed requests' blocks
-        again = asyncio.run(asyncio.wait_for(run_all(srv.url, work[:10]), TIMEOUT_S))
-        assert again == want[:10]  # the survivors go on serving
+        assert run(work[:10]) == want[:10]  # the survivors go on serving
+
+        victim = engine_pids(srv.log(), "prefill")[0]
+        check_partial(run(long_work, lambda: os.kill(victim, signal.SIGKILL)), want_long)
+        assert "prefill engine 0" in httpx.get(srv.url + "/health").json()["error"]["message"]
+        wait_free(srv.url)
+        assert run(work[:10]) == want[:10]  # one prefill and one decode engine still serve

@@ -346,32 +346,32 @@ class PDRouter:
 
     # ---- the reader thread and the processes ---------------------------------------------
     def _read(self) -> None:
-        """Hand every message, then the death of each engine, to the event loop."""
+        """Hand every message, then the death of each engine, to the event loop (until the
+        loop closes)."""
         watched = {e.conn: e for e in self.engines} | {e.process.sentinel: e for e in self.engines}
-        while watched and not self._loop.is_closed():
-            for ready in wait(list(watched), timeout=0.5):
-                engine = watched.get(ready)
-                if engine is None:
-                    continue
-                if ready is engine.conn:
-                    try:
-                        m = engine.conn.recv()
-                    except (EOFError, OSError):
-                        watched.pop(ready, None)
-                        continue
-                    self._loop.call_soon_threadsafe(self._on_message, engine, m)
-                    continue
-                while True:  # the process ended: its last messages first
-                    try:
-                        if not engine.conn.poll():
-                            break
-                        m = engine.conn.recv()
-                    except (EOFError, OSError):
-                        break
-                    self._loop.call_soon_threadsafe(self._on_message, engine, m)
-                watched.pop(engine.conn, None)
-                watched.pop(ready, None)
-                self._loop.call_soon_threadsafe(self._on_death, engine)
+        try:
+            while watched:
+                for ready in wait(list(watched), timeout=0.5):
+                    if ready in watched:
+                        self._take(watched, ready)
+        except RuntimeError:  # the event loop closed: the router is gone
+            return
+
+    def _take(self, watched: dict, ready) -> None:
+        engine = watched[ready]
+        hand = self._loop.call_soon_threadsafe
+        if ready is engine.conn:
+            try:
+                hand(self._on_message, engine, engine.conn.recv())
+            except (EOFError, OSError):
+                del watched[ready]
+            return
+        with contextlib.suppress(EOFError, OSError):  # the process ended: its last messages first
+            while engine.conn.poll():
+                hand(self._on_message, engine, engine.conn.recv())
+        watched.pop(engine.conn, None)
+        del watched[ready]
+        hand(self._on_death, engine)
 
     def _join_all(self) -> None:
         for e in self.engines:

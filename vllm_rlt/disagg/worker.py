@@ -8,6 +8,7 @@ the engine has nothing to run it waits at most IDLE_WAIT_S for a message. The ro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -116,7 +117,8 @@ class _Role:
         return len(self.engine.scheduler.waiting)
 
     def run(self) -> None:
-        with torch.inference_mode():
+        """The loop, until `Shutdown` or until the front end is gone (its pipe closed)."""
+        with torch.inference_mode(), contextlib.suppress(EOFError, OSError):
             while True:
                 busy = self.engine.has_unfinished_requests()
                 if self.conn.poll(0 if busy else IDLE_WAIT_S):
