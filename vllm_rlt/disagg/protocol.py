@@ -99,7 +99,8 @@ class Abort:
 
 @dataclass(frozen=True)
 class PeerDead:
-    """front end -> engine: the engine of `rank` died; stop exchanging KV with it."""
+    """front end -> prefill: the decode engine of `rank` died; drop its requests, send it no
+    more KV."""
 
     rank: int
 

@@ -9,7 +9,7 @@ waits on every engine's pipe and process sentinel and hands what arrives to the 
 
 Faults: when an engine process dies, every request it was serving ends with
 `RequestFailedError` naming it, the surviving side of each is told to drop it (its blocks are
-freed), the other side's engines stop exchanging KV with it, and `is_healthy` turns False
+freed), the prefill engines stop sending KV to a dead decode engine, and `is_healthy` turns False
 (`health_message` names the dead engines) while the others go on serving. With no prefill or
 no decode engine left, `error` is set and the server stops.
 """
@@ -202,7 +202,11 @@ class PDRouter:
         decode.load += 1
         expect = msg.Expect(handle, request_id, flight.prompt, params, seed, prefill.place.rank)
         self._send(decode, expect)
-        await flight.accepted
+        try:
+            await flight.accepted
+        except asyncio.CancelledError:  # the client went away before the engine answered
+            self.abort(request_id)
+            raise
         return flight.stream
 
     def abort(self, request_id: str) -> None:
@@ -319,9 +323,10 @@ class PDRouter:
         for flight in list(self._flights.values()):
             if flight.decode is engine or flight.prefill is engine and not flight.prefill_done:
                 self._end(flight, notify=True, error=err)
-        for e in self.engines:
-            if e.place.is_prefill != engine.place.is_prefill:
-                self._send(e, msg.PeerDead(engine.place.rank))
+        if not engine.place.is_prefill:  # (a decode engine's receiving threads end by themselves)
+            for e in self.engines:
+                if e.place.is_prefill:
+                    self._send(e, msg.PeerDead(engine.place.rank))
         sides = {e.place.is_prefill for e in self.engines if e.alive}
         if sides != {True, False}:
             self.error = EngineDeadError(self.health_message)
