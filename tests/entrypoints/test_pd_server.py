@@ -12,13 +12,14 @@ import os
 import random
 import re
 import signal
+import subprocess
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import ServeProcess, read_metrics, tiny_engine
+from tests.entrypoints.server_utils import CLI, ServeProcess, read_metrics, tiny_engine
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -156,3 +157,13 @@ def test_2p2d_streams_then_a_decode_and_a_prefill_engine_die(model_dir, tmp_path
         assert "prefill engine 0" in httpx.get(srv.url + "/health").json()["error"]["message"]
         wait_free(srv.url)
         assert run(work[:10]) == want[:10]  # one prefill and one decode engine still serve
+
+
+def test_prefill_engines_without_decode_engines_is_a_one_line_error():
+    done = subprocess.run(
+        [*CLI, "serve", "--port", "0", "--pd-prefill", "1"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: pd_prefill and pd_decode must be both 0 or both >= 1, got (1, 0)"
+    ]
