@@ -2,7 +2,8 @@
 workloads (staggered arrivals, prompts 1-300, chunks 1-64, atomic / split / WCPB on the
 prefill side, early exit on and off) give every request the tokens and exit depths a single
 engine gives; no block leaks on either side; a multi-chunk prompt's first chunk reaches the
-decode engine before the prefill engine has finished the prompt. The workloads are the WCPB
+decode engine before the prefill engine has finished the prompt; a prompt the decode engine
+has seen is transferred without the blocks its prefix cache holds. The workloads are the WCPB
 suite's (`tests/engine/test_wcpb.py`)."""
 
 from __future__ import annotations
@@ -72,17 +73,24 @@ def test_pd_equals_single_engine(model_dir, mode, device):
         model=str(model_dir), device=device, attention_backend=backend, dtype="float32",
         num_kv_blocks=4096, block_size=4, **settings,
     )  # fmt: skip
-    router = PDRouter(config, DisaggConfig(pd_prefill=1, pd_decode=1), record_timings=True)
+    router = PDRouter(config, DisaggConfig(pd_prefill=1, pd_decode=1), record_transfers=True)
+    longest = max(jobs, key=lambda j: len(j.prompt))
 
     async def scenario():
         try:
             got = await asyncio.wait_for(run_pd(router, jobs), TIMEOUT_S)
+            # the longest prompt again: the decode engine's prefix cache holds its blocks
+            again = [Job(f"{longest.req_id}-again", longest.prompt, longest.params)]
+            got |= await asyncio.wait_for(run_pd(router, again), TIMEOUT_S)
             return got, await router.probe()
         finally:
             await router.shutdown()
 
     got, statuses = asyncio.run(scenario())
     assert compare(single, jobs, got, want, "last_exited") == 0
+    assert got[f"{longest.req_id}-again"] == want[longest.req_id]
+    skipped = router.transfers[f"{longest.req_id}-again"]["skip_blocks"]
+    assert skipped == (len(longest.prompt) - 1) // 4  # whole blocks before the last position
     for status in statuses:  # nothing leaked on either side
         assert status.num_free_blocks == status.num_total_blocks
         assert status.num_running == status.num_waiting == 0
@@ -90,5 +98,5 @@ def test_pd_equals_single_engine(model_dir, mode, device):
     # the transfer overlapped the prefill of later chunks (prompts of three chunks or more: the
     # last one completes at least two steps after the first)
     for job in [j for j in jobs if len(j.prompt) > 2 * chunk]:
-        t = router.timings[job.req_id]
+        t = router.transfers[job.req_id]
         assert t["first_chunk_at"] < t["prefill_done_at"], job.req_id

@@ -24,6 +24,7 @@ import multiprocessing
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -66,6 +67,7 @@ class _Engine:
     process: multiprocessing.process.BaseProcess
     conn: object
     pid: int = 0
+    max_model_len: int = 0
     alive: bool = True
     load: int = 0  # requests routed here and not finished on this side
     status: msg.Status | None = None
@@ -90,7 +92,7 @@ class _Flight:
     stream: RequestStream
     accepted: asyncio.Future
     prefill_done: bool = False  # the first token came back: the prefill side is finished
-    timings: dict[str, float] = field(default_factory=dict)
+    transfer: dict[str, float] = field(default_factory=dict)  # see `PDRouter.transfers`
 
 
 class PDRouter:
@@ -100,14 +102,15 @@ class PDRouter:
         disagg: DisaggConfig,
         *,
         max_waiting_requests: int | None = None,
-        record_timings: bool = False,
+        record_transfers: bool = False,
     ):
         """Starts pd_prefill + pd_decode engine processes and waits until all are ready
         (ConfigError with the first engine's message when one cannot start).
-        `record_timings`: keep, per finished request, when the prefill engine completed its
-        prompt and when its first chunk reached the decode engine (`timings`; tests)."""
+        `record_transfers`: keep, per finished request, when the prefill engine completed its
+        prompt, when its first chunk reached the decode engine and how many blocks the decode
+        engine's prefix cache held (`transfers`; tests)."""
         self.max_waiting_requests = max_waiting_requests
-        self.timings: dict[str, dict[str, float]] | None = {} if record_timings else None
+        self.transfers: dict[str, dict[str, float]] | None = {} if record_transfers else None
         ctx = multiprocessing.get_context("spawn")
         port = disagg.pd_master_port or _free_port(disagg.pd_master_addr)
         n, m = disagg.pd_prefill, disagg.pd_decode
@@ -137,19 +140,26 @@ class PDRouter:
         self.snapshot = EngineSnapshot()
 
     def _wait_ready(self) -> int:
-        lens = []
-        for e in self.engines:
-            try:
-                reply = e.conn.recv() if e.conn.poll(START_TIMEOUT_S) else None
-            except (EOFError, OSError):  # the process ended
-                reply = None
-            if not isinstance(reply, msg.Ready):
-                self._kill_all()
-                why = reply.message if isinstance(reply, msg.StartFailed) else "it exited or hung"
-                raise ConfigError(f"engine {e.place.rank} could not start: {why}")
-            e.pid, self._num_loops = reply.pid, reply.num_loops
-            lens.append(reply.max_model_len)
-        return min(lens)
+        """Wait for every engine's Ready; the first that fails (or exits, or the deadline)
+        ends the start, and every engine with it (the others may wait for it to join the
+        group). Returns the smallest max_model_len."""
+        waiting = {e.conn: e for e in self.engines}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while waiting:
+            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+            for conn in ready or list(waiting)[:1]:
+                e = waiting.pop(conn)
+                try:
+                    reply = conn.recv() if ready else None
+                except (EOFError, OSError):  # the process ended
+                    reply = None
+                if not isinstance(reply, msg.Ready):
+                    self._kill_all()
+                    why = reply.message if isinstance(reply, msg.StartFailed) else "exited or hung"
+                    raise ConfigError(f"engine {e.place.rank} could not start: {why}")
+                e.pid, e.max_model_len = reply.pid, reply.max_model_len
+                self._num_loops = reply.num_loops
+        return min(e.max_model_len for e in self.engines)
 
     # ---- the AsyncLLMEngine interface -----------------------------------------------------
     @property
@@ -268,8 +278,8 @@ class PDRouter:
                 flight.accepted.set_exception(error)
             else:
                 flight.stream.put(error)
-        if self.timings is not None and error is None:
-            self.timings[flight.request_id] = flight.timings
+        if self.transfers is not None and error is None:
+            self.transfers[flight.request_id] = flight.transfer
 
     # ---- messages from the engines (on the event loop) -----------------------------------
     def _on_message(self, engine: _Engine, m) -> None:
@@ -289,6 +299,7 @@ class PDRouter:
             err = ValueError(m.message) if m.invalid else RequestFailedError(m.message)
             self._end(flight, notify=True, error=err)
         elif isinstance(m, msg.Reserved):
+            flight.transfer["skip_blocks"] = m.skip_blocks
             params = prefill_params(flight.params, flight.seed)
             order = msg.Prefill(
                 flight.handle, flight.request_id, flight.prompt, params,
@@ -298,10 +309,10 @@ class PDRouter:
         elif isinstance(m, msg.FirstToken):
             flight.prefill_done = True
             flight.prefill.load -= 1
-            flight.timings["prefill_done_at"] = m.prefill_done_at
+            flight.transfer["prefill_done_at"] = m.prefill_done_at
             self._send(flight.decode, m)
         elif isinstance(m, msg.Imported):
-            flight.timings["first_chunk_at"] = m.first_chunk_at
+            flight.transfer["first_chunk_at"] = m.first_chunk_at
 
     def _on_outputs(self, m: msg.Outputs) -> None:
         for handle, out in m.items:
