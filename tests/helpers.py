@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
+from benchmarks.model_shapes import HUGINN_0125
+from vllm_rlt.models.huginn import HuginnConfig, HuginnForCausalLM, rope_table
 from vllm_rlt.models.loader import init_random_weights
 from vllm_rlt.models.ouro import OuroConfig, OuroForCausalLM
-from vllm_rlt.models.tiny import TINY_OURO
+from vllm_rlt.models.tiny import TINY_OURO, save_checkpoint, train_tokenizer
 
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
 MHA = {"num_attention_heads": 4, "num_key_value_heads": 4}
@@ -38,3 +43,78 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     mask = ~torch.isnan(expected)
     a, b = actual[mask], expected[mask]
     return float((a - b).abs().max() / b.abs().max())
+
+
+# ---- Huginn ---------------------------------------------------------------------------------
+HUGINN_SPECIAL_TOKENS = [
+    "<|begin_text|>",
+    "<|end_text|>",
+    "<|begin_header|>",
+    "<|end_header|>",
+    "<|end_turn|>",
+    "<|pad|>",
+]
+# the release's template (docs/models.md §3.4), over the tiny tokenizer's special tokens
+HUGINN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|begin_header|>"
+    "{{ 'Huginn' if m['role'] == 'assistant' else m['role'] }}<|end_header|>\n\n"
+    "{{ m['content'] }}<|end_turn|>{% endfor %}"
+    "{% if add_generation_prompt %}<|begin_header|>Huginn<|end_header|>\n\n"
+    "{% else %}<|end_text|>{% endif %}"
+)
+TINY_HUGINN = {
+    **HUGINN_0125,
+    "n_embd": 32,
+    "n_heads": 4,
+    "n_layers": 4,
+    "n_layers_in_prelude": 1,
+    "n_layers_in_recurrent_block": 2,
+    "n_layers_in_coda": 1,
+    "intermediate_size": 64,
+    "vocab_size": 96,
+    "padded_vocab_size": None,
+    "block_size": 256,
+    "mean_recurrence": 4,
+    "bos_token_id": 0,
+    "eos_token_id": None,
+    "pad_token_id": 5,
+    "torch_dtype": "float32",
+}
+
+
+def tiny_huginn_config(**overrides) -> HuginnConfig:
+    return HuginnConfig.from_dict({**TINY_HUGINN, **overrides})
+
+
+def tiny_huginn(seed: int = 0, dtype=torch.float32, backend="torch", **overrides):
+    model = HuginnForCausalLM(tiny_huginn_config(**overrides), attention_backend=backend)
+    init_random_weights(model, seed)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def write_tiny_huginn(path, *, vocab_size: int = 256, seed: int = 0, **overrides) -> Path:
+    """A tiny Huginn checkpoint as the release stores it: fp32 tensors under the HF names, the
+    tied head's duplicate `lm_head.weight`, `freqs_cis`, eos ids in generation_config.json and
+    the chat template in tokenizer_config.json."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab_size, special_tokens=HUGINN_SPECIAL_TOKENS)
+    raw = {**TINY_HUGINN, "vocab_size": tokenizer.get_vocab_size(), **overrides}
+    model = tiny_huginn(seed, **{k: v for k, v in raw.items() if k != "model_type"})
+    tensors = {k: v.detach().contiguous() for k, v in model.named_parameters()}
+    tensors["lm_head.weight"] = model.lm_head.weight.detach().clone()
+    c = model.config
+    tensors["freqs_cis"] = rope_table(c.head_dim, c.block_size, c.rope_base)[None, :, None]
+    save_checkpoint(tensors, path)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    generation = {"bos_token_id": 0, "eos_token_id": [1, 4], "pad_token_id": 5}
+    (path / "generation_config.json").write_text(json.dumps(generation))
+    tokenizer.save(str(path / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_text|>",
+        "eos_token": "<|end_text|>",
+        "chat_template": HUGINN_CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    return path

@@ -74,7 +74,10 @@ def test_help_shows_config_defaults_and_choices():
     assert "--enable-prefix-caching, --no-enable-prefix-caching" in text
     assert "(default: True)" in text and "--port PORT port to listen on (0: any) (default: 8000)"
     inspect = " ".join(_subparser(("inspect",)).format_help().split())
-    assert "--attention-backend {auto,torch,triton}" in inspect and "(default: 16)" in inspect
+    assert (
+        "--attention-backend {auto,torch,triton,triton_invariant}" in inspect
+        and "(default: 16)" in inspect
+    )
 
 
 def test_a_value_outside_the_choices_is_one_line(capsys):

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import write_tiny_huginn
 from vllm_rlt.entrypoints.cli import main
 from vllm_rlt.entrypoints.inspect_cmd import exit_distribution
 from vllm_rlt.models.tiny import write_tiny_ouro
@@ -22,6 +23,16 @@ def test_inspect_prints_every_depth_and_checks(tmp_path, capsys):
     assert all(line.count(",") == 4 for line in lines)  # top-5 tokens per depth
     assert "cdf 1.000" in lines[-1]
     assert "-> OK" in out
+
+
+def test_inspect_huginn_without_a_gate_and_checks(tmp_path, capsys):
+    path = write_tiny_huginn(tmp_path / "h", seed=2)
+    assert main(["inspect", str(path), "--prompt", "for i in range(10):", "--check"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("loop ")]
+    assert [line.split(":")[0] for line in lines] == ["loop 1", "loop 2", "loop 3", "loop 4"]
+    assert not any("exit gate" in line for line in lines)
+    assert "huginn_raven" in out and "-> OK" in out
 
 
 def test_inspect_reports_a_bad_device_in_one_line():

@@ -6,17 +6,19 @@
 Prompts come from the trainer's held-out files (`stdlib_corpus.held_out_files`): prompt i is a
 window of 24 + (37 i mod 97) tokens of held-out file i mod n, starting at a line boundary chosen
 by i. For each exit threshold, every prompt is generated greedily (`--max-tokens`, EOS ignored) in
-three modes (atomic, split, WCPB) with small chunks, and the script reports:
+three modes (atomic, split, WCPB) with small chunks, and once more one request at a time
+(serial, on the atomic engine), and the script reports:
 
 - the exit-depth histogram of the generated tokens (the first token of a request is excluded: it
   comes from the prompt's last position, which always runs every loop);
 - per pair of modes, how many requests give identical tokens and exit depths, how many tokens
   agree before the first difference, and the mean position of the first difference.
 
-In fp32 the three modes must agree exactly (tests assert it); in bf16 on a GPU, batch composition
+In fp32 the modes must agree exactly (tests assert it); in bf16 on a GPU, batch composition
 changes rounding (different row counts pick different GEMM kernels), so this script measures how
-often that flips a greedy token. `--card` writes the results into the model card, one subsection
-per device and dtype under "## Engine evaluation".
+often that flips a greedy token, and with `--batch-invariant` that it never does. `--card` writes
+the results into the model card, one subsection per device, dtype and setting under
+"## Engine evaluation".
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def run_mode(llm: LLM, prompts, threshold: float, max_tokens: int) -> list[tuple
     return [(tuple(o.outputs[0].token_ids), tuple(o.outputs[0].exit_depths)) for o in outs]
 
 
+def run_serial(llm: LLM, prompts, threshold: float, max_tokens: int) -> list[tuple]:
+    """The same requests one at a time: nothing shares their invocations."""
+    return [run_mode(llm, [p], threshold, max_tokens)[0] for p in prompts]
+
+
 def compare(a: list[tuple], b: list[tuple]) -> dict:
     """Agreement of two modes' (tokens, depths) per request."""
     firsts = []
@@ -105,6 +112,7 @@ def evaluate(args) -> dict:
             max_num_seqs=args.max_num_seqs,
             prefill_chunk_size=args.chunk_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            batch_invariant=args.batch_invariant,
             **settings,
         )
         for name, settings in MODES.items()
@@ -122,11 +130,12 @@ def evaluate(args) -> dict:
         results = {
             name: run_mode(llm, prompts, q, args.max_tokens) for name, llm in engines.items()
         }
+        results["serial"] = run_serial(engines["atomic"], prompts, q, args.max_tokens)
         report["thresholds"][str(q)] = {
             "depth_histogram": {n: depth_histogram(r, num_loops) for n, r in results.items()},
             "agreement": {
                 f"{a}/{b}": compare(results[a], results[b])
-                for a, b in itertools.combinations(MODES, 2)
+                for a, b in itertools.combinations(results, 2)
             },
             "seconds": round(time.time() - start, 1),
         }
@@ -138,7 +147,8 @@ def card_section(report: dict) -> str:
     """The model-card subsection for one report (a device and dtype)."""
     st = report["settings"]
     lines = [
-        f"### {st['device']}, {st['dtype']}, {st['attention_backend']} attention",
+        f"### {st['device']}, {st['dtype']}, {st['attention_backend']} attention"
+        + (", batch-invariant" if st.get("batch_invariant") else ""),
         "",
         f"{st['num_prompts']} held-out prompts of the Python {report['python']} stdlib "
         f"({report['num_prompt_tokens']} tokens) x "
@@ -186,6 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.6, 1.0])
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--chunk-size", type=int, default=32, help="prefill chunk (small: many tasks)")
+    p.add_argument("--batch-invariant", action="store_true", help="the engine's batch_invariant")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--report", type=Path, default=None, help="use this report, do not evaluate")

@@ -31,8 +31,10 @@ KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 QUEUE_POLICIES = ("fcfs", "priority")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LAYER_KERNELS = ("auto", "torch", "fused", "skinny")  # "auto": skinny on CUDA, torch elsewhere
+# "triton_invariant" is what batch_invariant runs
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_invariant")
+# "auto": skinny on CUDA, torch elsewhere; "invariant" is what batch_invariant runs
+LAYER_KERNELS = ("auto", "torch", "fused", "skinny", "invariant")
 
 
 class ConfigError(ValueError):
@@ -62,16 +64,24 @@ class ModelConfig:
     )
     device: str | None = _help("cpu or cuda (default: cuda when available)", default=None)
     attention_backend: str = _help(
-        "attention implementation: auto (triton on CUDA, torch on CPU), torch (the reference) "
-        "or triton",
+        "attention implementation: auto (triton on CUDA, torch on CPU), torch (the reference), "
+        "triton, or triton_invariant (batch_invariant's)",
         choices=ATTENTION_BACKENDS,
         default="auto",
     )
     layer_kernels: str = _help(
         "how a layer's projections and element-wise steps run: auto (skinny on CUDA, torch on "
-        "CPU), torch (the reference), fused or skinny (docs/design/runner.md §4)",
+        "CPU), torch (the reference), fused or skinny (docs/design/runner.md §4), or invariant "
+        "(batch_invariant's)",
         choices=LAYER_KERNELS,
         default="auto",
+    )
+    batch_invariant: bool = _help(
+        "make every row's result bitwise independent of the other rows of its invocation and of "
+        "the invocation's size, so that scheduling (WCPB, chunk size, budget, other requests) "
+        "never changes a token: Triton kernels with tiles fixed per weight shape, attention "
+        "without KV splits (docs/design/runner.md §6; it costs throughput)",
+        default=False,
     )
     seed: int = _help(
         "seed for dummy weights and for the seeds drawn for requests that give none", default=0
@@ -80,6 +90,11 @@ class ModelConfig:
         "run every recurrent-core invocation eagerly: no CUDA graphs (by default invocations of "
         "up to 2048 rows replay graphs captured at start on CUDA with the triton backend)",
         default=False,
+    )
+    init_scale: float = _help(
+        "Huginn: scale of the random initial recurrent state each request draws from its seed "
+        "(0: the zero state, deterministic); a request's init_scale overrides it",
+        default=1.0,
     )
     max_model_len: int | None = _help(
         "most positions of one request (prompt + output); default: the model's "
@@ -91,6 +106,21 @@ class ModelConfig:
         _check_types(self)
         n = self.max_model_len
         _check(n is None or n >= 2, "max_model_len", n, ">= 2 (one prompt and one output token)")
+        _check(self.init_scale >= 0, "init_scale", self.init_scale, ">= 0")
+        if self.batch_invariant:
+            for name, ok in (
+                ("attention_backend", ("auto", "triton", "triton_invariant")),
+                ("layer_kernels", ("auto", "invariant")),
+            ):
+                value = getattr(self, name)
+                _check(value in ok, name, value, f"one of {ok} with batch_invariant (its kernels)")
+
+    def kernel_names(self) -> tuple[str, str]:
+        """(attention backend, layer kernels) the model is built with: batch_invariant's own,
+        or the chosen ones ("auto" is resolved by the loader)."""
+        if self.batch_invariant:
+            return "triton_invariant", "invariant"
+        return self.attention_backend, self.layer_kernels
 
 
 @dataclass(frozen=True)
@@ -261,12 +291,30 @@ class EngineConfig:
                 "layout needs atomic position-wave prefill; use kv_layout='last_exited'"
             )
 
-    def check_model(self, model_name: str, requires_atomic_prefill: bool) -> None:
-        """Capability check against the loaded model class."""
-        if requires_atomic_prefill and self.scheduler.wavefront_chunked_prefill:
+    def check_model(self, model_cls: type) -> None:
+        """Capability check against the model class (its `requires_atomic_prefill`,
+        `supports_shared_kv` and `has_exit_gate` attributes)."""
+        name = model_cls.__name__
+        if model_cls.requires_atomic_prefill and self.scheduler.wavefront_chunked_prefill:
             raise ConfigError(
-                f"wavefront_chunked_prefill=True cannot run with {model_name}, which requires "
+                f"wavefront_chunked_prefill=True cannot run with {name}, which requires "
                 "atomic prefill; turn wavefront_chunked_prefill off"
+            )
+        if model_cls.requires_atomic_prefill and self.scheduler.max_prefill_stall_loops:
+            raise ConfigError(
+                f"max_prefill_stall_loops={self.scheduler.max_prefill_stall_loops} would split "
+                f"prefill batches of {name}, which requires atomic prefill; leave it unset"
+            )
+        if not model_cls.supports_shared_kv and self.cache.kv_layout == KVLayout.SHARED.value:
+            raise ConfigError(
+                f"kv_layout='shared' cannot run with {name}: its recurrences keep one KV plane "
+                "each (as its reference cache); use kv_layout='last_exited'"
+            )
+        threshold = self.exit.exit_threshold
+        if not model_cls.has_exit_gate and threshold is not None and threshold < 1:
+            raise ConfigError(
+                f"exit_threshold={threshold} needs an exit gate, which {name} does not have "
+                "(every token runs max_loops loops); leave exit_threshold unset or 1"
             )
 
     @classmethod

@@ -87,6 +87,8 @@ class SamplingParams:
     min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
     max_loops: int | None = None  # most loops a decode token runs; None = the model's depth
     exit_threshold: float | None = None  # exit when cumulative exit prob >= this; None = config
+    # Huginn: scale of the random initial recurrent state (0 = zero state); None = the engine's
+    init_scale: float | None = None
     ignore_eos: bool = False  # keep generating after the EOS token
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (a list is ok)
     stop: tuple[str, ...] = ()  # strings that end generation, not included in the output
@@ -136,6 +138,12 @@ class SamplingParams:
             if not 0 <= threshold <= 1:
                 raise ValueError(f"exit_threshold must be in [0, 1], got {threshold}")
             fix("exit_threshold", threshold)
+
+        if self.init_scale is not None:
+            init_scale = _float("init_scale", self.init_scale)
+            if init_scale < 0:
+                raise ValueError(f"init_scale must be >= 0, got {init_scale}")
+            fix("init_scale", init_scale)
 
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

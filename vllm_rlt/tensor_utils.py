@@ -1,5 +1,6 @@
 """Tensor helpers every layer may use (a leaf: imports torch and numpy only): the accumulation
-dtype, and copies between host and device that do not stall the host longer than needed.
+dtype, counter-based random numbers (`counter_uniform`), and copies between host and device
+that do not stall the host longer than needed.
 
 A plain `torch.tensor(values, device="cuda")` copies from pageable memory and synchronises the
 stream, so the host waits for every kernel queued before it and cannot prepare the next step
@@ -24,6 +25,39 @@ import torch
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype for statistics and accumulations: fp32, or the input's own if wider (fp64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+_MASK31 = (1 << 31) - 1
+# Odd 31-bit multipliers: a 31-bit state times one stays below 2**62, inside int64.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x5BD1E995
+_SALT = 0x2545F491  # starting state, so seed 0 / counter 0 do not start from zero
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, ids: torch.Tensor):
+    """[N, K] float32 uniform in (0, 1), a pure function of (seeds[i], counters[i], ids[k]):
+    the same values whatever else is in the batch, on any device.
+
+    seeds, counters: [N] int64; ids: [K] int64 (>= 0, < 2**31).
+    """
+    key = torch.full_like(seeds, _SALT)
+    for value in (seeds, counters):  # absorb both 64-bit values, 31 + 31 + 2 bits at a time
+        for shift in (0, 31, 62):
+            key = _mix(key ^ ((value >> shift) & _MASK31))
+    # Two keys, so rows whose first keys differ only in low bits still get unrelated values.
+    key2 = _mix(key ^ _SALT)
+    bits = _mix(_mix(key[:, None] ^ ids[None, :]) ^ key2[:, None])  # bijective in the id
+    # fp32 keeps full relative precision near 0; the clamp keeps the value below 1 after rounding
+    return ((bits.float() + 0.5) * 2.0**-31).clamp_(max=1.0 - 2.0**-24)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """Bijective avalanche mix of 31-bit int64 values (multiply mod 2**31 and xor-shift rounds)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK31
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK31
+    return x ^ (x >> 16)
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -21,11 +21,12 @@ NEAR_TIE = 1e-5
 
 
 def make_engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
-    """An fp32 engine on a test model directory (KV sized generously unless given)."""
+    """An engine on a test model directory, fp32 and KV sized generously unless given."""
     kw.setdefault("num_kv_blocks", 4096)
     kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")
     config = EngineConfig.from_kwargs(
-        model=str(model_dir), device=device, attention_backend=backend, dtype="float32", **kw
+        model=str(model_dir), device=device, attention_backend=backend, **kw
     )
     return LLMEngine(config)
 

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from tests.helpers import write_tiny_huginn
 from vllm_rlt.config import CacheConfig, ConfigError
 from vllm_rlt.engine import kv_sizing
 from vllm_rlt.engine.kv_sizing import GIB, plan_kv_blocks, resolve_max_model_len
@@ -157,11 +158,13 @@ def test_a_max_model_len_the_measured_cache_cannot_hold_names_gpu_memory_utiliza
 
 
 # ---- the measurement ---------------------------------------------------------------------------
-def test_the_activation_profile_runs_the_largest_invocation(monkeypatch):
+@pytest.mark.parametrize("huginn", [False, True], ids=["ouro", "huginn"])
+def test_the_activation_profile_runs_the_largest_invocation(monkeypatch, tmp_path, huginn):
     """On the CPU with torch.cuda's counters faked: the profile runs prelude, recurrent core,
     coda and sampling over the sizes it is given, and reports the allocator's peak above its
     reserve plus what stayed in use outside it."""
-    llm = LLM(device="cpu", num_kv_blocks=64)
+    model_dir = str(write_tiny_huginn(tmp_path / "h")) if huginn else None
+    llm = LLM(model_dir, device="cpu", num_kv_blocks=64)
     model = llm.engine.model
     rows = []
     real_core = model.recurrent_core

@@ -9,6 +9,9 @@ import random
 import pytest
 import torch
 
+from benchmarks.model_shapes import write_shape
+from benchmarks.probes import invariance
+from benchmarks.probes.invariance import StateRecorder
 from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched
 from tests.helpers import rel_err
 from vllm_rlt.config import EngineConfig
@@ -112,40 +115,6 @@ def test_suite_subset_on_triton_and_gpu(model_dir, device, backend):
     if device == "cuda":
         seeds = range(24)
     assert sum(check_modes(model_dir, s, device, backend) for s in seeds) <= 1
-
-
-class StateRecorder:
-    """Records the output state of every (request, position, depth) row the runner computes."""
-
-    def __init__(self, eng: LLMEngine):
-        self.states: dict[tuple[str, int, int], torch.Tensor] = {}
-        runner, model = eng.runner, eng.runner.model
-        invoke, core = runner._invoke, model.recurrent_core
-
-        def recording_invoke(batch, i, sampled):
-            live = batch.live(i, model.num_loops)
-
-            def recording_core(hidden, meta, kv):
-                out, gate = core(hidden, meta, kv)
-                row = 0
-                for t in live:
-                    for j in range(t.num_tokens):
-                        self.states[(t.request_id, t.token_start + j, t.depth + i)] = out[row + j]
-                    row += t.num_tokens
-                return out, gate
-
-            model.recurrent_core = recording_core
-            try:
-                return invoke(batch, i, sampled)
-            finally:
-                del model.recurrent_core
-
-        runner._invoke = recording_invoke
-
-    def prompt_states(self, req_id: str, length: int) -> torch.Tensor:
-        return torch.stack(
-            [torch.stack([self.states[(req_id, p, d)] for p in range(length)]) for d in range(D)]
-        )
 
 
 @pytest.mark.parametrize(
@@ -272,36 +241,32 @@ def test_bf16_wcpb_differs_from_split_no_more_than_batch_composition(tmp_path):
     """Ouro-1.4B shape, dummy bf16 weights, 303-token prompt, chunk 64, budget 128: per-depth
     prompt states of WCPB vs split differ no more than split alone vs split beside another
     request (bf16 rounding depends on batch shape; the computation must not)."""
-    from benchmarks.model_shapes import write_shape
-
     model_dir = write_shape("ouro-1.4b", tmp_path / "ouro")
-    prompt = random.Random(303).choices(range(49152), k=303)
-    other = random.Random(7).choices(range(49152), k=150)
+    prompt, other, settings = invariance.gpu_case()
 
-    def states(wavefront: bool, beside: bool) -> torch.Tensor:
-        eng = LLMEngine(
-            EngineConfig.from_kwargs(
-                model=str(model_dir), load_format="dummy", dtype="bfloat16", device="cuda",
-                attention_backend="triton", prefill_chunk_size=64, max_num_batched_tokens=128,
-                wavefront_chunked_prefill=wavefront, kv_cache_memory_gb=4.0,
-                enforce_eager=True,  # the recorder hooks the eager recurrent core
-            )
-        )  # fmt: skip
-        rec = StateRecorder(eng)
-        jobs = [Job("a", prompt, SamplingParams(max_tokens=1))]
-        if beside:
-            jobs.append(Job("b", other, SamplingParams(max_tokens=1)))
-        run_batched(eng, jobs)
-        out = rec.prompt_states("a", len(prompt)).float()
-        del eng
+    def states(mode: str, beside: bool) -> torch.Tensor:
+        out = invariance.prompt_states(model_dir, prompt, other, mode, beside, False, **settings)[
+            0
+        ].float()
         torch.cuda.empty_cache()
         return out
 
-    split_alone = states(False, False)
-    modes = rel_err(states(True, False), split_alone)
-    batch = rel_err(states(False, True), split_alone)
+    split_alone = states("split", False)
+    modes = rel_err(states("wcpb", False), split_alone)
+    batch = rel_err(states("split", True), split_alone)
     print(f"bf16 per-depth states: WCPB vs split {modes:.3e}; split vs split-beside {batch:.3e}")
     assert modes <= batch
+
+
+@pytest.mark.gpu
+def test_bf16_batch_invariant_states_are_the_same_bits(tmp_path):
+    """The same diagnostic with batch_invariant: every depth's states and the logits at every
+    position are bitwise those of atomic prefill alone, in split and WCPB, alone and beside
+    another request."""
+    model_dir = write_shape("ouro-1.4b", tmp_path / "ouro")
+    prompt, other, settings = invariance.gpu_case()
+    report = invariance.diagnostic(model_dir, True, prompt, other, **settings)
+    assert all(d == 0 for diffs in report.values() for d in diffs), report
 
 
 def checking_cap(eng: LLMEngine, cap: int, reached: list[int]) -> None:

@@ -42,10 +42,15 @@ class AttentionBackend(Protocol):
 _BACKENDS = {
     "torch": ("vllm_rlt.attention.torch_backend", "TorchAttentionBackend"),
     "triton": ("vllm_rlt.attention.triton_backend", "TritonAttentionBackend"),
+    # batch_invariant's (vllm_rlt.config.ModelConfig.kernel_names)
+    "triton_invariant": ("vllm_rlt.attention.triton_backend", "InvariantTritonAttentionBackend"),
 }
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str | AttentionBackend) -> AttentionBackend:
+    """The backend registered as `name` (a backend instance passes through)."""
+    if not isinstance(name, str):
+        return name
     if name not in _BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[name]

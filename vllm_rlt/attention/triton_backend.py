@@ -17,6 +17,7 @@ from vllm_rlt.kernels.paged_attention import paged_attention
 class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True
+    invariant = False  # each row's output the same bits in any invocation (no KV split)
 
     def __init__(self, num_splits: int | None = None) -> None:
         # KV splits per tile; None takes the invocation's (`AttentionMetadata.num_splits`) or
@@ -41,4 +42,13 @@ class TritonAttentionBackend:
         if not kv_stored:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         splits = meta.num_splits if self.num_splits is None else self.num_splits
-        return paged_attention(q, k_cache, v_cache, meta, num_splits=splits)
+        return paged_attention(
+            q, k_cache, v_cache, meta, num_splits=splits, invariant=self.invariant
+        )
+
+
+class InvariantTritonAttentionBackend(TritonAttentionBackend):
+    """The batch-invariant launch (`paged_attention(..., invariant=True)`), for batch_invariant."""
+
+    name = "triton_invariant"
+    invariant = True

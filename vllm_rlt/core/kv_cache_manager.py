@@ -2,15 +2,17 @@
 
 Owns the block tables: for each request and plane, the physical blocks holding its positions.
 LAST_EXITED keeps one plane per depth (a row at depth d reads and writes plane d); SHARED keeps
-one plane that every depth overwrites. Blocks are allocated on demand, plane by plane, when the
-scheduler places work that writes positions there (`allocate`), and released when the request
-ends or is preempted.
+one plane that every depth overwrites. A model with attention layers outside the loop (Huginn's
+prelude and coda) has `num_edge_planes` more after those, written with depth 0. Blocks are
+allocated on demand, plane by plane, when the scheduler places work that writes positions there
+(`allocate`), and released when the request ends or is preempted.
 
 Prefix caching: a full block of prompt positions is keyed by a hash chain over the prompt's token
-ids from position 0 (salted with the layout, loop count and block size: everything else that
-decides the KV), one key per plane. Prompt positions run every loop, so their KV does not depend on
-exit decisions; once every plane holds a block's positions (`cache_prompt`), later requests with
-the same prefix share those blocks (`find_prefix`, `attach`) until the pool evicts them.
+ids from position 0 (salted with the layout, loop and edge plane counts and block size: everything
+else that decides the KV), one key per plane. Prompt positions run every loop, so their KV does
+not depend on exit decisions; once every plane holds a block's positions (`cache_prompt`), later
+requests with the same prefix share those blocks (`find_prefix`, `attach`) until the pool evicts
+them.
 """
 
 from __future__ import annotations
@@ -49,20 +51,23 @@ class KVCacheManager:
         layout: KVLayout | str,
         num_loops: int,
         enable_prefix_caching: bool = False,
+        num_edge_planes: int = 0,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.layout = KVLayout(layout)
         self.block_size = block_size
         self.num_loops = num_loops
-        self.num_planes = num_planes_for(self.layout, num_loops)
+        # planes the loops read and write (exits copy between them), then the edge planes
+        self.num_loop_planes = num_planes_for(self.layout, num_loops)
+        self.num_planes = self.num_loop_planes + num_edge_planes
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, self.num_planes)
         self._tables: dict[str, list[list[int]]] = {}  # req_id -> per-plane block lists
         # req_id -> the hash chain of its prompt blocks in the cache (extended as blocks finish)
         self._chains: dict[str, list[bytes]] = {}
         self._changed: set[str] = set()  # requests whose tables grew since `take_changed`
-        self._salt = f"{self.layout.value}:{num_loops}:{block_size}".encode()
+        self._salt = f"{self.layout.value}:{num_loops}:{num_edge_planes}:{block_size}".encode()
 
     @property
     def num_free_blocks(self) -> int:
@@ -191,6 +196,12 @@ class KVCacheManager:
         """The plane a row at `depth` (0-based) reads and writes."""
         return depth if self.layout is KVLayout.LAST_EXITED else 0
 
+    def planes_written(self, depth: int) -> tuple[int, ...]:
+        """The planes a row at `depth` writes: its loop plane, and at depth 0 the edge planes
+        too (the prelude's layers; the coda's write the same positions later)."""
+        edge = range(self.num_loop_planes, self.num_planes) if depth == 0 else ()
+        return (self.plane(depth), *edge)
+
     def block_table(self, req_id: str, plane: int) -> tuple[int, ...]:
         tables = self._tables.get(req_id)
         return tuple(tables[plane]) if tables else ()
@@ -210,5 +221,6 @@ class KVCacheManager:
             return []
         src = self.slot(req_id, exit_depth, position)
         return [
-            (src, self.slot(req_id, p, position)) for p in range(exit_depth + 1, self.num_planes)
+            (src, self.slot(req_id, p, position))
+            for p in range(exit_depth + 1, self.num_loop_planes)
         ]

@@ -52,7 +52,7 @@ def plan_kv_blocks(
     `measure`: the device memory besides the KV cache (CUDA, sized by gpu_memory_utilization)."""
     c = model_config
     block_bytes = (
-        c.num_hidden_layers * 2 * cache.block_size * c.num_key_value_heads * c.head_dim
+        c.num_kv_layers * 2 * cache.block_size * c.num_key_value_heads * c.head_dim
     ) * dtype.itemsize
     if cache.num_kv_blocks is not None:
         num_blocks, setting = cache.num_kv_blocks, f"num_kv_blocks={cache.num_kv_blocks}"

@@ -13,6 +13,7 @@ only to work queued after it on the same stream.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -54,19 +55,20 @@ class LLMEngine:
         if loaded is None:
             model_dir = mc.model or default_model_dir()
             _, model_cls = registry.resolve(read_config(model_dir).model_type)
-            config.check_model(model_cls.__name__, model_cls.requires_atomic_prefill)
+            config.check_model(model_cls)
+            attention_backend, layer_kernels = mc.kernel_names()
             loaded = load_model(
                 model_dir,
                 dtype=mc.dtype,
                 device=mc.device,
                 load_format=mc.load_format,
-                attention_backend=mc.attention_backend,
-                layer_kernels=mc.layer_kernels,
+                attention_backend=attention_backend,
+                layer_kernels=layer_kernels,
                 seed=mc.seed,
             )
         else:
             model_cls = type(loaded.model)
-            config.check_model(model_cls.__name__, model_cls.requires_atomic_prefill)
+            config.check_model(model_cls)
         self.model, self.model_config, self.tokenizer = (
             loaded.model,
             loaded.config,
@@ -75,12 +77,13 @@ class LLMEngine:
         self.num_loops = self.model.num_loops
         weight = self.model.lm_head.weight
         c = self.model_config
-        num_planes = num_planes_for(cc.kv_layout, self.num_loops)
+        # the loops' planes, then the planes of layers outside the loop (Huginn's prelude, coda)
+        num_planes = num_planes_for(cc.kv_layout, self.num_loops) + self.model.num_edge_planes
         # everything that stays on the device besides the KV cache exists before it is sized
         planner = make_planner(sc, cc.kv_layout, self.num_loops)
         ring_rows = planner.ring_slots * planner.chunk_size
         states = HiddenStateStore(
-            sc.max_num_seqs, ring_rows, c.hidden_size, weight.dtype, weight.device
+            sc.max_num_seqs, ring_rows, self.model.state_size, weight.dtype, weight.device
         )
         tile_rows = tile_rows_for(planner.task_rows)
         specs = ()
@@ -96,8 +99,21 @@ class LLMEngine:
 
         blocks = plan_kv_blocks(cc, c, num_planes, weight.dtype, weight.device, measure)
         num_blocks = blocks.num_blocks
+        # a random initial state makes prompt KV depend on the request's seed: nothing to share
+        prefix_caching = cc.enable_prefix_caching and not self.model.random_initial_state
+        if cc.enable_prefix_caching and not prefix_caching:
+            logger.info(
+                "prefix caching is off: %s draws a random initial state per request, so prompt "
+                "KV depends on the request's seed",
+                type(self.model).__name__,
+            )
         self.kv_manager = KVCacheManager(
-            num_blocks, cc.block_size, cc.kv_layout, self.num_loops, cc.enable_prefix_caching
+            num_blocks,
+            cc.block_size,
+            cc.kv_layout,
+            self.num_loops,
+            prefix_caching,
+            self.model.num_edge_planes,
         )
         per_plane = self.kv_manager.max_tokens_per_request()  # positions of one plane
         # the longest request (prompt + output positions) add_request accepts
@@ -107,12 +123,15 @@ class LLMEngine:
         log_kv_cache(blocks, per_plane, num_planes, self.max_model_len)
         kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
-        self.scheduler = Scheduler(sc, self.kv_manager, exit_policy, self.num_loops)
+        self.scheduler = Scheduler(
+            sc, self.kv_manager, exit_policy, self.num_loops, self.model.requires_atomic_prefill
+        )
         graphs = None
         if specs:
             max_context = min(self.max_model_len, per_plane)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
-        self.runner = ModelRunner(self.model, kv_cache, states, num_planes, graphs, tile_rows)
+        loop_planes = self.kv_manager.num_loop_planes
+        self.runner = ModelRunner(self.model, kv_cache, states, loop_planes, graphs, tile_rows)
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None
@@ -136,6 +155,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request; bad input raises ValueError naming the field (nothing is queued)."""
         params = params or SamplingParams()
+        if params.init_scale is None:
+            params = dataclasses.replace(params, init_scale=self.config.model.init_scale)
         text, ids = self._prompt_ids(prompt)
         self._validate(ids, params)
         if request_id in self.scheduler.requests or self.outputs.children(request_id):
@@ -218,6 +239,12 @@ class LLMEngine:
                 f"prompt has token ids outside the vocabulary [0, {c.vocab_size}): {bad[:5]}"
             )
         params.validate_for_model(self.num_loops, c.vocab_size)
+        threshold = params.exit_threshold
+        if not self.model.has_exit_gate and threshold is not None and threshold < 1:
+            raise ValueError(
+                f"exit_threshold={threshold} needs an exit gate, which this model does not have "
+                "(every token runs max_loops loops)"
+            )
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

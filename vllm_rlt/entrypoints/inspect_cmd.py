@@ -1,8 +1,10 @@
 """`vllm-rlt inspect`: what a looped model thinks at each depth for a prompt's last position.
 
-Per depth it prints the top next tokens with probabilities, the gate's exit probability
-sigmoid(g_t) and the exit distribution p_t with its CDF (docs/models.md §1.5), computed with the
-paged model; `--check` recomputes with the dense reference and compares.
+Per depth it prints the top next tokens with probabilities and, for a model with an exit gate,
+the gate's exit probability sigmoid(g_t) and the exit distribution p_t with its CDF
+(docs/models.md §1.5), computed with the paged model; `--check` recomputes with the dense
+reference and compares. Huginn's predictions at a depth run the coda over that recurrence's
+state (the zero initial state), as the reference's `predict_from_latents`.
 """
 
 from __future__ import annotations
@@ -64,12 +66,11 @@ def report(loaded, args: argparse.Namespace, block_size: int) -> int:
     ids = tok.encode(args.prompt).ids if tok is not None else [int(x) for x in args.prompt.split()]
     if not ids:
         raise cli_args.error_exit(f"prompt {args.prompt!r} encodes to no tokens")
-    blocks = -(-len(ids) // block_size) * model.num_loops
+    blocks = -(-len(ids) // block_size) * (model.num_loops + model.num_edge_planes)
     executor = PagedExecutor.create(model, blocks, block_size)
     states, gates = executor.prefill_all_depths("inspect", ids)
     last_states, last_gates = states[:, -1], gates[:, -1]
-    with torch.inference_mode():
-        probs = model.coda(last_states).float().softmax(-1)
+    probs = executor.logits("inspect", last_states, len(ids) - 1).float().softmax(-1)
     p_exit, cdf = exit_distribution(last_gates)
     dtype = model.lm_head.weight.dtype
     print(
@@ -83,12 +84,15 @@ def report(loaded, args: argparse.Namespace, block_size: int) -> int:
             for pr, i in zip(top.values, top.indices, strict=True)
         )
         lam = float(torch.sigmoid(last_gates[depth].double()))
-        print(
-            f"loop {depth + 1}: exit gate {lam:.3f}  p(exit here) {float(p_exit[depth]):.3f}  "
-            f"cdf {float(cdf[depth]):.3f} | {words}"
+        gate = (
+            f"exit gate {lam:.3f}  p(exit here) {float(p_exit[depth]):.3f}  "
+            f"cdf {float(cdf[depth]):.3f} | "
         )
+        print(f"loop {depth + 1}: {gate if model.has_exit_gate else ''}{words}")
     if args.check:
-        return check(model, ids, states, gates, dtype)
+        if model.has_exit_gate:
+            return check(model, ids, states, gates, dtype)
+        return check_huginn(model, ids, states, executor, dtype)
     return 0
 
 
@@ -101,14 +105,35 @@ def check(model, ids, states, gates, dtype) -> int:
         ref = DenseOuroReference.from_model(model).run(ids)
         logits = model.coda(states)
 
-    def err(a, b):
-        return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
     errors = {
-        "hidden": err(states, ref.hidden),
-        "gate": err(gates, ref.gate_logits),
-        "logits": err(logits, ref.logits),
+        "hidden": _rel_err(states, ref.hidden),
+        "gate": _rel_err(gates, ref.gate_logits),
+        "logits": _rel_err(logits, ref.logits),
     }
+    return _report(errors, dtype)
+
+
+def check_huginn(model, ids, states, executor, dtype) -> int:
+    """Huginn: the state after every recurrence and the full-depth logits of every position."""
+    import torch
+
+    from vllm_rlt.models.huginn_reference import DenseHuginnReference
+
+    ref = DenseHuginnReference.from_model(model).run(ids)
+    last = states[-1]
+    logits = torch.cat([executor.logits("inspect", last[p : p + 1], p) for p in range(len(ids))])
+    errors = {
+        "states": _rel_err(states[..., : model.config.n_embd], ref.states),
+        "logits": _rel_err(logits, ref.logits),
+    }
+    return _report(errors, dtype)
+
+
+def _rel_err(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _report(errors: dict[str, float], dtype) -> int:
     tol = CHECK_TOL[str(dtype).removeprefix("torch.")]
     ok = all(e <= tol for e in errors.values())
     shown = ", ".join(f"{k} {v:.2e}" for k, v in errors.items())

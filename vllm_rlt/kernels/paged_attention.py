@@ -66,6 +66,12 @@ CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
 # fp32 inputs (exactness checks, not the serving path): short KV steps keep the fp32 tiles' shared
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
 FP32_BLOCK_N = 32
+# Batch-invariant launches (`invariant=True`): every tile, a decode row's one-row tile too, runs
+# in one row block of this many rows (x GQA group) with one config and no KV split, so a row's
+# online softmax visits the same KV steps in the same order, on the same dot shapes, whatever
+# tile holds it (keys past a row's position add exact zeros).
+INVARIANT_TILE_ROWS = 64
+INVARIANT_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -247,13 +253,15 @@ def paged_attention(
     decode_config: LaunchConfig | None = None,
     chunk_config: LaunchConfig | None = None,
     out: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of q [R, Hq, d] over caches [num_blocks, block_size, Hkv, d].
 
     Returns [R, Hq, d] in q's dtype (written into `out` when given). `num_splits` fixes the KV
     splits per tile (default: chosen from the grid size and max context by the split policy of
     decode-only or mixed launches, `attention_splits.py`; a fixed count splits a tile's context
-    evenly); the configs override the tuned launch shapes.
+    evenly); the configs override the tuned launch shapes. `invariant`: each row's output is
+    the same bits in any invocation (INVARIANT_CONFIG; no split, the configs are ignored).
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -274,6 +282,13 @@ def paged_attention(
     elif decode_config is None:
         decode_config = decode_config_for(programs, decode_only, num_sms)
     big = _row_block(meta.max_tile_rows, group, True)[0] >= 64
+    if invariant:
+        if meta.max_tile_rows > INVARIANT_TILE_ROWS:
+            raise ValueError(f"batch-invariant attention takes tiles of at most "
+                             f"{INVARIANT_TILE_ROWS} rows, got {meta.max_tile_rows}")  # fmt: skip
+        block_n = FP32_BLOCK_N if fp32 else INVARIANT_CONFIG.block_n
+        decode_config = chunk_config = replace(INVARIANT_CONFIG, block_n=block_n)
+        num_splits = 1
     if chunk_config is None:
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
         chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config
@@ -320,7 +335,9 @@ def paged_attention(
     )
     args = (common, group, num_kv_heads, num_splits, constexprs)
     tiles = meta.tile_order
-    if 0 < num_one < num_tiles and big:
+    if invariant:
+        _launch(tiles, INVARIANT_TILE_ROWS, chunk_config, *args)
+    elif 0 < num_one < num_tiles and big:
         # decode rows beside prefill tiles of 64 rows (x group): one launch, side by side; beside
         # shorter tiles the two launches measured faster (docs/design/runner.md §4)
         one_cfg = replace(decode_config, block_n=min(decode_config.block_n, chunk_config.block_n))

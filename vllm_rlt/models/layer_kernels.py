@@ -11,7 +11,8 @@ A model calls four operations per layer through one of these strategies:
 - `swiglu(mlp, x)`: the MLP;
 - `out_proj(attn, x)`: attention's output projection;
 - `exit_gate(x, gate)`: the early-exit gate's logit of each end-of-loop row, in fp32 (fp64 for
-  an fp64 model).
+  an fp64 model);
+- `logits(x, weight)`: the LM head.
 
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
@@ -20,7 +21,10 @@ on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
 per exit gate (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the
 projections of invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead
 of cuBLAS, the SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by
-the q/k/v GEMM for up to 8 rows (docs/design/runner.md §4).
+the q/k/v GEMM for up to 8 rows (docs/design/runner.md §4). `invariant` is `fused` with every
+projection and the LM head on `vllm_rlt.kernels.invariant_gemm`, whose rows do not depend on
+each other or on their number; with the fused ops, which work per row, a row's whole layer does
+not (the engine's batch_invariant, docs/design/runner.md §6).
 Inference only (no autograd through Triton).
 """
 
@@ -72,6 +76,10 @@ class LayerKernels(Protocol):
         """x: [R, H] end-of-loop norm -> gate(x) [R] computed in `acc_dtype(x.dtype)`."""
         ...
 
+    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x: [R, H] final hidden -> x @ weight.T [R, V], the LM head."""
+        ...
+
 
 class TorchLayerKernels:
     name = "torch"
@@ -100,6 +108,9 @@ class TorchLayerKernels:
         acc = acc_dtype(x.dtype)
         logit = nn.functional.linear(x.to(acc), gate.weight.to(acc), gate.bias.to(acc))
         return logit.squeeze(-1)
+
+    def logits(self, x, weight):
+        return nn.functional.linear(x, weight)
 
 
 class FusedLayerKernels:
@@ -136,6 +147,9 @@ class FusedLayerKernels:
     def exit_gate(self, x, gate):
         return self.ops.gate_logits(x, gate.weight, gate.bias)
 
+    def logits(self, x, weight):
+        return nn.functional.linear(x, weight)
+
 
 class SkinnyLayerKernels(FusedLayerKernels):
     name = "skinny"
@@ -169,7 +183,26 @@ class SkinnyLayerKernels(FusedLayerKernels):
         return self.linear(self.gemm.skinny_swiglu(x, mlp.gate_up_weight), mlp.down_proj.weight)
 
 
-_STRATEGIES = {"torch": TorchLayerKernels, "fused": FusedLayerKernels, "skinny": SkinnyLayerKernels}
+class InvariantLayerKernels(FusedLayerKernels):
+    name = "invariant"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemm = importlib.import_module("vllm_rlt.kernels.invariant_gemm")
+
+    def linear(self, x, weight):
+        return self.gemm.invariant_linear(x, weight)
+
+    def logits(self, x, weight):
+        return self.gemm.invariant_linear(x, weight)
+
+
+_STRATEGIES = {
+    "torch": TorchLayerKernels,
+    "fused": FusedLayerKernels,
+    "skinny": SkinnyLayerKernels,
+    "invariant": InvariantLayerKernels,
+}
 _INSTANCES: dict[str, LayerKernels] = {}
 
 

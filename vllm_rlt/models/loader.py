@@ -71,13 +71,19 @@ def resolve_device(
         if resolved.index is not None and resolved.index >= count:
             raise ConfigError(f"device={device!r} but only {count} CUDA GPU(s) are visible")
         return resolved
-    triton = {"attention_backend": ("triton",), "layer_kernels": ("fused", "skinny")}
+    triton = {
+        "attention_backend": ("triton", "triton_invariant"),
+        "layer_kernels": ("fused", "skinny", "invariant"),
+    }
     chosen = {"attention_backend": attention_backend, "layer_kernels": layer_kernels}
     for name, value in chosen.items():
         if value in triton[name] and not device_info.INTERPRET:
+            invariant = value in ("triton_invariant", "invariant")
+            what = "batch_invariant" if invariant else f"{name}={value!r}"
+            fix = "" if invariant else f"; use {name}='torch'"
             raise ConfigError(
-                f"{name}={value!r} runs Triton kernels, which on the CPU need the Triton "
-                f"interpreter (TRITON_INTERPRET=1 in the environment); use {name}='torch'"
+                f"{what} runs Triton kernels, which on the CPU need the Triton interpreter "
+                f"(TRITON_INTERPRET=1 in the environment){fix}"
             )
     return resolved
 
@@ -105,6 +111,9 @@ def read_config(model_dir: str | Path) -> object:
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a model directory needs config.json")
     raw = read_json_file(path)
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.is_file():  # the stop ids generate() uses (Huginn's live only there)
+        raw["generation_eos_token_id"] = read_json_file(generation).get("eos_token_id")
     try:
         config_cls, _ = registry.resolve(raw.get("model_type"))
         return config_cls.from_dict(raw)
@@ -198,9 +207,11 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     """Copy every checkpoint tensor into the model after a strict name and shape check."""
     params = expected_tensors(model)
     files = checkpoint_files(model_dir)
+    # tensors a checkpoint may hold beside the parameters (a tied head's copy, a RoPE table)
+    optional = set(getattr(model, "optional_checkpoint_tensors", ())) & set(files)
     problems = []
     missing = sorted(set(params) - set(files))
-    unexpected = sorted(set(files) - set(params))
+    unexpected = sorted(set(files) - set(params) - optional)
     if missing:
         problems.append(f"missing tensors: {missing}")
     if unexpected:
@@ -209,9 +220,14 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     for name in sorted(set(params) & set(files)):
         by_file.setdefault(files[name], []).append(name)
     loaded: dict[str, torch.Tensor] = {}
+    for name in sorted(optional):
+        by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
         with open_weights(path) as f:
             for name in names:
+                if name in optional:
+                    loaded[name] = f.get_tensor(name)
+                    continue
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(params[name].shape):
                     problems.append(
@@ -224,7 +240,12 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
             f"checkpoint in {model_dir} does not match the model: " + "; ".join(problems)
         )
     for name, tensor in loaded.items():
-        params[name].copy_(tensor)
+        if name not in optional:
+            params[name].copy_(tensor)
+    vetted = (model.check_checkpoint_tensor(name, loaded[name]) for name in sorted(optional))
+    problems = [problem for problem in vetted if problem is not None]
+    if problems:
+        raise CheckpointError(f"checkpoint in {model_dir}: " + "; ".join(problems))
 
 
 @torch.no_grad()
@@ -236,7 +257,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """
     for name, param in sorted(expected_tensors(model).items()):
         gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "ln_f.weight")) or ".norm_" in name:
             values = torch.rand(param.shape, generator=gen, device=param.device) + 0.5
         elif param.dim() == 1:
             values = torch.randn(param.shape, generator=gen, device=param.device)

@@ -49,6 +49,11 @@ class OuroConfig:
     def num_loops(self) -> int:
         return self.total_ut_steps
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose K/V one KV block holds."""
+        return self.num_hidden_layers
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
         """Parse and validate an HF config dict; unsupported settings raise with their name."""
@@ -198,6 +203,10 @@ class OuroForCausalLM(nn.Module):
 
     # capabilities the engine checks at startup
     requires_atomic_prefill = False  # Ouro's prefill may split between depths (split, WCPB)
+    supports_shared_kv = True  # kv_layout="shared" (one plane, position-wave prefill)
+    has_exit_gate = True  # exit thresholds below 1 exit by the gate
+    random_initial_state = False  # prompt KV is a function of the token ids (prefix caching)
+    num_edge_planes = 0  # every attention layer runs in the loop
 
     def __init__(
         self,
@@ -211,11 +220,7 @@ class OuroForCausalLM(nn.Module):
         # which LayerKernels run the layers: "auto" (skinny on CUDA, torch elsewhere), "torch",
         # "fused" or "skinny" (tests and benchmarks pick one)
         self.layer_kernels = layer_kernels
-        backend = (
-            get_attention_backend(attention_backend)
-            if isinstance(attention_backend, str)
-            else attention_backend
-        )
+        backend = get_attention_backend(attention_backend)
         self.config = config
         self.model = OuroModel(config, backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -228,6 +233,11 @@ class OuroForCausalLM(nn.Module):
     @property
     def num_loops(self) -> int:
         return self.config.num_loops
+
+    @property
+    def state_size(self) -> int:
+        """Width of a hidden-state row."""
+        return self.config.hidden_size
 
     def prelude(self, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """token_ids, positions: [R] -> hidden [R, H]. Ouro's prelude is the embedding alone."""
@@ -255,4 +265,5 @@ class OuroForCausalLM(nn.Module):
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V] (in the model dtype)."""
-        return self.lm_head(hidden)
+        kernels = get_layer_kernels(self.layer_kernels, hidden.device)
+        return kernels.logits(hidden, self.lm_head.weight)

@@ -21,6 +21,25 @@ from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tensor_utils import acc_dtype
 
 
+def dense_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with statistics in fp32 (fp64 for fp64), the weight applied after the cast back."""
+    x32 = x.to(acc_dtype(x.dtype))
+    y = x32 / torch.sqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def dense_attention(q, keys, values, visible) -> torch.Tensor:
+    """q: [Sq, Hq, d]; keys/values: [Sk, Hkv, d]; visible: [Sq, Sk] bool -> [Sq, Hq, d], scaled
+    by 1/sqrt(d) and accumulated in fp32 (fp64 for fp64)."""
+    group = q.shape[1] // keys.shape[1]
+    acc = acc_dtype(q.dtype)
+    keys = keys.to(acc).repeat_interleave(group, 1)
+    values = values.to(acc).repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(acc), keys) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+
+
 @dataclass(frozen=True)
 class ReferenceOutput:
     hidden: torch.Tensor  # [D, S, H] normed state after each loop; NaN where a token did not run
@@ -42,9 +61,7 @@ class DenseOuroReference:
         return cls(model.config, weights)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        x32 = x.to(acc_dtype(x.dtype))
-        y = x32 / torch.sqrt(x32.square().mean(-1, keepdim=True) + self.c.rms_norm_eps)
-        return self.w[name] * y.to(x.dtype)
+        return dense_rms_norm(x, self.w[name], self.c.rms_norm_eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [S, heads, d] rotated by split-half RoPE at `positions`."""
@@ -75,14 +92,7 @@ class DenseOuroReference:
         return x + self._norm(mlp, p + "post_attention_layernorm_2.weight")
 
     def _attend(self, q, keys, values, visible) -> torch.Tensor:
-        """q: [Sq, Hq, d]; keys/values: [Sk, Hkv, d]; visible: [Sq, Sk] bool -> [Sq, Hq, d]."""
-        group = q.shape[1] // keys.shape[1]
-        acc = acc_dtype(q.dtype)
-        keys = keys.to(acc).repeat_interleave(group, 1)
-        values = values.to(acc).repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q.to(acc), keys) / self.c.head_dim**0.5
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+        return dense_attention(q, keys, values, visible)
 
     def run(
         self,

@@ -8,6 +8,7 @@ from vllm_rlt.config import ConfigError
 
 _MODELS = {
     "ouro": ("vllm_rlt.models.ouro", "OuroConfig", "OuroForCausalLM"),
+    "huginn_raven": ("vllm_rlt.models.huginn", "HuginnConfig", "HuginnForCausalLM"),
 }
 
 

@@ -65,15 +65,19 @@ def _corpus() -> list[str]:
     return texts
 
 
-def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None) -> Tokenizer:
-    """A byte-level BPE with the Ouro special tokens at ids 0, 1, 2, trained on `texts`
-    (default: docstrings of a few standard-library modules)."""
+def train_tokenizer(
+    vocab_size: int,
+    texts: Iterable[str] | None = None,
+    special_tokens: list[str] = SPECIAL_TOKENS,
+) -> Tokenizer:
+    """A byte-level BPE with `special_tokens` (default: Ouro's) at ids 0, 1, ..., trained on
+    `texts` (default: docstrings of a few standard-library modules)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

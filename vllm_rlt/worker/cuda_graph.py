@@ -82,7 +82,7 @@ class CudaGraphRunner:
         n = max(s.num_rows for s in specs)
         head = max(tables_offset(s) for s in specs)
         weight = model.lm_head.weight
-        self._hidden = torch.zeros(n, model.config.hidden_size, dtype=weight.dtype, device=device)
+        self._hidden = torch.zeros(n, model.state_size, dtype=weight.dtype, device=device)
         self._upload = torch.zeros(head + 4 * n * self.max_blocks, dtype=torch.uint8, device=device)
         self._tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         self._metas = {s: self._static_meta(s, device) for s in specs}

@@ -41,7 +41,7 @@ class DeviceKVCache:
         its dtype."""
         c, weight = model.config, model.lm_head.weight
         return cls(
-            c.num_hidden_layers,
+            c.num_kv_layers,
             num_blocks,
             block_size,
             c.num_key_value_heads,

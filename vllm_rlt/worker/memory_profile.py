@@ -16,6 +16,7 @@ import torch
 from vllm_rlt.attention.metadata import build_attention_metadata
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner
+from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.graph_tables import GraphSpec
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.sampler import SamplingTensors, sample
@@ -57,12 +58,12 @@ def activation_bytes(
     model: torch.nn.Module, num_rows: int, num_samples: int, block_size: int, tile_rows: int
 ) -> int:
     """Peak device memory of the largest invocation, eager: one prefill segment of `num_rows`
-    rows (positions 0..num_rows - 1 of a scratch KV cache) through the prelude and the
-    recurrent core, with coda and sampling (top-k, top-p, logprobs) of `num_samples` rows
-    beside it. The caching allocator's peak above its reserve before the run, plus what the run
-    left in use outside it (kernel modules, library workspaces). Attention temporaries that grow
-    with the context (split-KV partials; the torch backend's scores) are measured at this
-    context only."""
+    rows (positions 0..num_rows - 1 of a scratch KV cache) through the prelude, the recurrent
+    core and (a model with attention there) the coda's blocks, with coda and sampling (top-k,
+    top-p, logprobs) of `num_samples` rows beside it. The caching allocator's peak above its
+    reserve before the run, plus what the run left in use outside it (kernel modules, library
+    workspaces). Attention temporaries that grow with the context (split-KV partials; the torch
+    backend's scores) are measured at this context only."""
     device = model.lm_head.weight.device
     num_blocks = -(-num_rows // block_size)
     kv = DeviceKVCache.for_model(model, num_blocks, block_size)
@@ -74,14 +75,20 @@ def activation_bytes(
     tables = [tuple(range(num_blocks))]
     meta = build_attention_metadata([0], [num_rows], tables, block_size, device, tile_rows)
     tokens = torch.zeros(num_rows, dtype=torch.int64, device=device)
-    hidden = model.prelude(tokens, meta.positions)
+    # every plane (the loop's and the edge planes) on the same scratch blocks
+    edges = edge_stages_for(model, kv, 0, tile_rows)
+    planes = tables * (1 + model.num_edge_planes)
+    prompt = [EdgeSegment(0, num_rows, planes, 0, 1.0)]
+    hidden = edges.enter(tokens, meta.positions, prompt)
     rows = torch.zeros(num_samples, hidden.shape[1], dtype=hidden.dtype, device=device)
     n = num_samples
     params = SamplingTensors.build(
         [1.0] * n, [50] * n, [0.9] * n, [0] * n, [0] * n, MAX_LOGPROBS, device
     )
-    sampled = sample(model.coda(rows), params)
+    samples = [EdgeSegment(i % num_rows, 1, planes, 0, 1.0) for i in range(n)]
+    sampled = sample(edges.logits(rows, samples), params)
     out, gate = model.recurrent_core(hidden, meta, kv)
+    edges.finish(out, list(range(num_rows)), prompt)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device) - reserved
     del kv, meta, tokens, hidden, rows, sampled, out, gate
@@ -112,7 +119,7 @@ def graph_bytes(
     measured = _used(device) - used_before
     del runner, kv
     torch.cuda.empty_cache()
-    row_bytes = model.config.hidden_size * model.lm_head.weight.dtype.itemsize + 4  # + fp32 gate
+    row_bytes = model.state_size * model.lm_head.weight.dtype.itemsize + 4  # + fp32 gate
     return measured + sum(s.num_rows for s in specs if s != largest) * row_bytes
 
 

@@ -5,7 +5,9 @@ settings, hidden-state slot) and never reads the scheduler's `Request`. A step a
 skipped-depth KV copies, samples the requests the plan names (coda of their state), then runs
 `loop_count` recurrent-core invocations, each one gathered call over all live rows: replayed as a
 CUDA graph when a bucket admits it (decode rows, prefill chunks, mixed; `worker/cuda_graph.py`),
-eagerly otherwise. Entering rows' prelude and the scatter of the outputs run outside the graph.
+eagerly otherwise. Entering rows' prelude, the coda of prompt rows whose loops are done, and the
+scatter of the outputs run outside the graph, through the model's `worker/edge_stages.py`
+strategy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.tensor_utils import read_back, to_device
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
+from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
@@ -39,6 +42,11 @@ class _Mirror:
     slot: int
     block_tables: tuple[tuple[int, ...], ...] = ()
     num_sampled: int = 0
+    position: int = -1  # position of the token whose state the decode row holds
+
+    def segment(self, token_start: int, num_tokens: int) -> EdgeSegment:
+        data = self.data
+        return EdgeSegment(token_start, num_tokens, self.block_tables, data.seed, data.init_scale)
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,8 @@ class ModelRunner:
         tile_rows: int = TILE_ROWS,
     ):
         """`states`: the hidden-state buffer (a slot per running request; the engine allocates
-        it before sizing the KV cache); `graphs`: runs the invocations its buckets admit over
+        it before sizing the KV cache); `num_planes`: the KV planes of the loops (the model's
+        edge planes follow them); `graphs`: runs the invocations its buckets admit over
         static buffers (None: all eager); `tile_rows`: rows per multi-row attention tile of
         eager invocations (the graph runner's own)."""
         self.model = model
@@ -73,6 +82,7 @@ class ModelRunner:
         self.device = kv_cache.kv.device
         self.states = states
         self.reqs: dict[str, _Mirror] = {}
+        self.edges = edge_stages_for(model, kv_cache, num_planes, tile_rows)
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
 
@@ -120,7 +130,8 @@ class ModelRunner:
         rows = to_device(
             [self.states.decode_row(m.slot) for m in mirrors], torch.int64, self.device
         )
-        logits = self.model.coda(self.states.buffer[rows])
+        segments = [m.segment(m.position, 1) for m in mirrors]
+        logits = self.edges.logits(self.states.buffer[rows], segments)
         params = [m.data for m in mirrors]
         tensors = SamplingTensors.build(
             temperature=[p.temperature for p in params],
@@ -162,9 +173,11 @@ class ModelRunner:
         starts, counts, tables, rows = [], [], [], []
         # rows entering through the prelude with host-known tokens (prompt rows, and the first
         # decode row of a resumed request)
-        prompt_rows, prompt_tokens = [], []
-        decode_rows, decode_reqs = [], []  # decode rows fed with this step's sampled token
+        prompt_rows, prompt_tokens, prompt_segs = [], [], []
+        # decode rows fed with this step's sampled token
+        decode_rows, decode_reqs, decode_segs = [], [], []
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
+        finish_rows, finish_segs = [], []  # prompt rows past their last loop: their coda
         row = 0
         for t in live:
             m = self.reqs[t.request_id]
@@ -178,15 +191,25 @@ class ModelRunner:
             if depth == 0 and prefill:
                 prompt_rows.extend(range(row, row + t.num_tokens))
                 prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
+                prompt_segs.append(m.segment(t.token_start, t.num_tokens))
             elif depth == 0 and t.request_id not in sampled_ids[1]:  # a resumed request's
                 prompt_rows.append(row)
                 prompt_tokens.append(m.data.resume_token)
+                prompt_segs.append(m.segment(t.token_start, 1))
             elif depth == 0:
                 decode_rows.append(row)
                 decode_reqs.append(t.request_id)
+                decode_segs.append(m.segment(t.token_start, 1))
+            if not prefill:
+                m.position = t.token_start
+            else:
+                for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
+                    finish_rows.extend(range(row + offset, row + offset + n))
+                    finish_segs.append(m.segment(t.token_start + offset, n))
             if prefill and depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
                 done_src.append(row + t.num_tokens - 1)
                 done_dst.append(self.states.decode_row(m.slot))
+                m.position = end - 1
             row += t.num_tokens
         static, meta, index, hidden = self._core_inputs(starts, counts, tables, rows)
         if prompt_rows or decode_rows:
@@ -196,17 +219,34 @@ class ModelRunner:
                 pick = to_device([position_of[r] for r in decode_reqs], torch.int64, self.device)
                 tokens = torch.cat([tokens, sampled_tokens[pick]])
             entry = to_device(prompt_rows + decode_rows, torch.int64, self.device)
-            hidden[entry] = self.model.prelude(tokens, meta.positions[entry])
+            segments = prompt_segs + decode_segs
+            hidden[entry] = self.edges.enter(tokens, meta.positions[entry], segments)
         with self._timed(live, row, static):
             if static is None:
                 out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
             else:
                 out, gate = self.graphs.run(static)
         self.states.buffer[index] = out
+        if finish_rows:
+            self.edges.finish(out, finish_rows, finish_segs)
         if done_src:
             src = to_device(done_src, torch.int64, self.device)
             self.states.buffer[to_device(done_dst, torch.int64, self.device)] = out[src]
         return gate
+
+    def _finishing(self, m: _Mirror, start: int, count: int, depth: int):
+        """(row offset, rows) runs of the prefill rows [start, start + count) whose last loop is
+        `depth`: prompt positions at the last depth, fed-back output positions (a resumed
+        request's) at the depth they exited at before."""
+        resumed = m.data.resumed_loops
+        first_output = len(m.data.prompt_token_ids) - len(resumed)
+        if not resumed or start + count <= first_output:
+            return [(0, count)] if depth == self.num_loops - 1 else []
+        loops = [
+            self.num_loops if p < first_output else resumed[p - first_output]
+            for p in range(start, start + count)
+        ]
+        return [(i, 1) for i, n in enumerate(loops) if n - 1 == depth]
 
     def _timed(self, live, rows: int, static: StaticInvocation | None):
         """Times the recurrent-core call over the `live` tasks (`rows` rows) by its shape while

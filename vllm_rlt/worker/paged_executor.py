@@ -3,7 +3,9 @@
 A segment is a contiguous range of positions of one request at one depth. The executor turns
 segments into attention metadata (block tables from the host `KVCacheManager`), calls the model's
 recurrent core once for all of them, and applies the skipped-depth KV copy when a token exits.
-It holds no request state of its own: callers keep each segment's hidden state.
+It holds no request state of its own: callers keep each segment's hidden state. The stages
+outside the loop run through the model's `edge_stages` strategy (Huginn's attend over its edge
+planes; their initial state is the zero state).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata, build_attention_metadata
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 
 
@@ -45,13 +48,20 @@ class PagedExecutor:
         self.kv_cache = kv_cache
         self.tile_rows = tile_rows
         self.device = kv_cache.kv.device
+        self.edges = edge_stages_for(model, kv_cache, kv_manager.num_loop_planes, tile_rows)
 
     @classmethod
     def create(
         cls, model: torch.nn.Module, num_blocks: int, block_size: int, layout: str = "last_exited"
     ) -> PagedExecutor:
         """An executor with its own KV cache sized in blocks, on the model's device and dtype."""
-        manager = KVCacheManager(num_blocks, block_size, layout, model.config.num_loops)
+        manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            layout,
+            model.config.num_loops,
+            num_edge_planes=model.num_edge_planes,
+        )
         cache = DeviceKVCache.for_model(model, num_blocks, block_size)
         return cls(model, manager, cache)
 
@@ -66,12 +76,27 @@ class PagedExecutor:
             self.tile_rows,
         )
 
+    def _segment(self, req_id: str | None, token_start: int, num_tokens: int) -> EdgeSegment:
+        m = self.kv_manager
+        tables = tuple(m.block_table(req_id, p) for p in range(m.num_planes)) if req_id else ()
+        return EdgeSegment(token_start, num_tokens, tables, seed=0, init_scale=0.0)
+
     @torch.inference_mode()
-    def embed(self, token_ids: Sequence[int], token_start: int = 0) -> torch.Tensor:
-        """Prelude output [n, H] for consecutive positions from `token_start`."""
+    def embed(
+        self, token_ids: Sequence[int], token_start: int = 0, req_id: str | None = None
+    ) -> torch.Tensor:
+        """Prelude output [n, H] for consecutive positions from `token_start` (`req_id`: whose
+        edge planes a prelude with attention writes)."""
         ids = torch.tensor(list(token_ids), device=self.device)
         positions = torch.arange(token_start, token_start + len(ids), device=self.device)
-        return self.model.prelude(ids, positions)
+        return self.edges.enter(ids, positions, [self._segment(req_id, token_start, len(ids))])
+
+    @torch.inference_mode()
+    def logits(self, req_id: str, states: torch.Tensor, position: int) -> torch.Tensor:
+        """Logits [N, V] of candidate final states [N, H] of `req_id`'s `position`, one at a
+        time (a coda with attention rewrites that position's K/V for each)."""
+        seg = [self._segment(req_id, position, 1)]
+        return torch.cat([self.edges.logits(s[None], seg) for s in states])
 
     @torch.inference_mode()
     def loop(self, segments: Sequence[Segment], hidden: torch.Tensor) -> LoopOutput:
@@ -105,13 +130,14 @@ class PagedExecutor:
         states, gates = [], []
         for start in range(0, seq, chunk):
             n = min(chunk, seq - start)
-            h = self.embed(token_ids[start : start + n], start)
+            h = self.embed(token_ids[start : start + n], start, req_id)
             chunk_states, chunk_gates = [], []
             for depth in range(self.model.num_loops):
                 out = self.loop([Segment(req_id, start, n, depth)], h)
                 h = out.hidden
                 chunk_states.append(h)
                 chunk_gates.append(out.gate_logits)
+            self.edges.finish(h, list(range(n)), [self._segment(req_id, start, n)])
             states.append(torch.stack(chunk_states))
             gates.append(torch.stack(chunk_gates))
         return torch.cat(states, 1), torch.cat(gates, 1)

@@ -14,13 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS
-from vllm_rlt.tensor_utils import to_device
-
-_MASK31 = (1 << 31) - 1
-# Odd 31-bit multipliers: a 31-bit state times one stays below 2**62, inside int64.
-_MUL1 = 0x7FEB352D
-_MUL2 = 0x5BD1E995
-_SALT = 0x2545F491  # starting state, so seed 0 / counter 0 do not start from zero
+from vllm_rlt.tensor_utils import counter_uniform, to_device
 
 
 @dataclass(frozen=True)
@@ -117,26 +111,8 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_ids: torch.T
 
     seeds, counters: [N] int64; vocab_ids: [V] int64 (>= 0, < 2**31).
     """
-    key = torch.full_like(seeds, _SALT)
-    for value in (seeds, counters):  # absorb both 64-bit values, 31 + 31 + 2 bits at a time
-        for shift in (0, 31, 62):
-            key = _mix(key ^ ((value >> shift) & _MASK31))
-    # Two keys, so rows whose first keys differ only in low bits still get unrelated noise.
-    key2 = _mix(key ^ _SALT)
-    bits = _mix(_mix(key[:, None] ^ vocab_ids[None, :]) ^ key2[:, None])  # bijective in v
-    # Uniform w in (0, 1): fp32 keeps full relative precision near 0, where the winning (small)
-    # exponentials come from; the clamp keeps w below 1 after rounding.
-    w = ((bits.float() + 0.5) * 2.0**-31).clamp_(max=1.0 - 2.0**-24)
+    w = counter_uniform(seeds, counters, vocab_ids)
     return -torch.log(-torch.log1p(-w))  # -log(Exp(1)) is Gumbel(0, 1)
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """Bijective avalanche mix of 31-bit int64 values (multiply mod 2**31 and xor-shift rounds)."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL1) & _MASK31
-    x = x ^ (x >> 15)
-    x = (x * _MUL2) & _MASK31
-    return x ^ (x >> 16)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int):

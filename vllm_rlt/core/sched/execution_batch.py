@@ -67,11 +67,14 @@ class NewRequestData:
     top_p: float  # 1.0 = off
     seed: int  # always set: the scheduler draws one for unseeded requests
     num_logprobs: int  # top alternatives to return per token; -1 = none
+    init_scale: float  # scale of a random initial recurrent state (Huginn); 0 = zero state
     # a resumed request (preempted, now recomputing): tokens sampled before, and the newest of
     # them, which its first decode row takes (prompt_token_ids then holds the prompt and the
     # output tokens fed back before it)
     num_sampled: int = 0
     resume_token: int | None = None
+    # loops each fed-back output position runs (they follow the prompt in prompt_token_ids)
+    resumed_loops: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, req: Request, ring_slots: int, chunk_size: int) -> NewRequestData:
@@ -87,8 +90,10 @@ class NewRequestData:
             top_p=params.top_p,
             seed=req.seed,
             num_logprobs=-1 if params.logprobs is None else params.logprobs,
+            init_scale=1.0 if params.init_scale is None else params.init_scale,
             num_sampled=len(outputs),
             resume_token=outputs[-1] if outputs else None,
+            resumed_loops=tuple(req.output_exit_depths[1 : req.resume_tokens + 1]),
         )
 
 

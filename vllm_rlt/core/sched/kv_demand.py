@@ -15,21 +15,19 @@ def kv_demand(
     num_loops: int,
 ) -> dict[tuple[str, int], int]:
     """(request, plane) -> the positions [0, end) there that `loops` invocations of `tasks`
-    write (each task in the planes of the depths it runs), and the skipped planes that the
-    `exits` (request, position, last depth) copy into."""
+    write (each task in the planes of the depths it runs, at depth 0 also the edge planes), and
+    the skipped planes that the `exits` (request, position, last depth) copy into."""
     need: dict[tuple[str, int], int] = {}
 
-    def write(req_id: str, depths: range, end: int) -> None:
-        for d in depths:
-            key = (req_id, kv.plane(d))
+    def write(req_id: str, planes, end: int) -> None:
+        for plane in planes:
+            key = (req_id, plane)
             need[key] = max(need.get(key, 0), end)
 
     for t in tasks:
-        write(
-            t.request_id,
-            range(t.depth, min(num_loops, t.depth + loops)),
-            t.token_start + t.num_tokens,
-        )
+        depths = range(t.depth, min(num_loops, t.depth + loops))
+        planes = (p for d in depths for p in kv.planes_written(d))
+        write(t.request_id, planes, t.token_start + t.num_tokens)
     for req_id, pos, depth in exits:
-        write(req_id, range(depth + 1, kv.num_planes), pos + 1)
+        write(req_id, range(depth + 1, kv.num_loop_planes), pos + 1)
     return need

@@ -27,7 +27,8 @@ been. A request admitted in this step that does not fit goes back unannounced.
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
   R7. decode apart from long prefill (`_apart`): while a prompt in prefill or a decoding
-      position is past `max_context_with_decode`, decode-only steps, which run to the first exit
+      position is past `max_context_with_decode` (always, for a model that needs atomic
+      prefill), decode-only steps, which run to the first exit
       decision (R1 even with prompts in prefill), and prefill-only batches of the whole budget
       (R2-R6) take turns.
 Merely having waiting requests, or possible preemptions, does not split a batch.
@@ -62,8 +63,12 @@ class Scheduler:
         kv_manager: KVCacheManager,
         exit_policy: ExitPolicy,
         num_loops: int,
+        atomic_prefill: bool = False,
     ):
+        """`atomic_prefill`: the model needs every prefill batch to run all its loops (Huginn):
+        mixed scheduling then always keeps decode rows and prefill apart (R7)."""
         self.config = config
+        self.atomic_prefill = atomic_prefill
         self.kv = kv_manager
         self.exit_policy = exit_policy
         self.num_loops = num_loops
@@ -284,8 +289,10 @@ class Scheduler:
         prefilling = [r for r in self.running if r.in_prefill]
         if not decoding or not prefilling or not self.decode.fixed_loops(decoding):
             return False
-        return any(r.prefill_len > limit for r in prefilling) or any(
-            r.num_tokens > limit for r in decoding
+        return (
+            self.atomic_prefill
+            or any(r.prefill_len > limit for r in prefilling)
+            or any(r.num_tokens > limit for r in decoding)
         )
 
     def _take_turn(self, budget: int, samples: list[str], admitted: dict):
@@ -405,7 +412,7 @@ class Scheduler:
             return
         req.decode = None
         req.ready_loops = tok.loops_done
-        if tok.loops_done < self.kv.num_planes:
+        if tok.loops_done < self.kv.num_loop_planes:
             self._exits.append((req.request_id, tok.position, tok.loops_done - 1))
 
 

@@ -1,5 +1,6 @@
 """Pydantic models of the OpenAI-compatible API (requests validated strictly, responses built
-from plain fields). Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`."""
+from plain fields). Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, and
+Huginn's `init_scale`."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class _SamplingFields(_Request):
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
+    init_scale: float | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -54,6 +56,7 @@ class _SamplingFields(_Request):
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,
+            init_scale=self.init_scale,
         )
 
 
