@@ -70,9 +70,10 @@ def engine_main(
     place: Placement, config: EngineConfig, disagg: DisaggConfig, conn: Connection
 ) -> None:
     """The body of an engine process (`multiprocessing` spawn target)."""
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         device = engine_device(config, place.rank)
+        if torch.device(device or "cpu").type == "cpu":  # the engines share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world_size))
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
         engine = LLMEngine(config)
         kv_device = engine.runner.kv_cache.kv.device
