@@ -4,6 +4,7 @@
     kernels -> attention -> models            core (no torch: the scheduler and the KV manager)
                               \\                /
                                worker -> engine -> benchmarks (vllm-rlt bench) -> entrypoints
+                                           \\-> disagg (prefill/decode engine processes) -/
 
 Imports under `if TYPE_CHECKING:` name types for annotations only and are not counted.
 """
@@ -32,7 +33,8 @@ BELOW = {
     "engine": {"leaf", "kernels", "attention", "models", "core", "worker"},
     "benchmarks": {"leaf", "kernels", "attention", "models", "core", "worker", "engine"},
 }
-BELOW["entrypoints"] = BELOW["benchmarks"] | {"benchmarks"}
+BELOW["disagg"] = BELOW["engine"] | {"engine"}
+BELOW["entrypoints"] = BELOW["benchmarks"] | {"benchmarks", "disagg"}
 # modules that must not need torch (or Triton) at run time
 TORCH_FREE = ("core", "config", "sampling_params", "request", "outputs")
 

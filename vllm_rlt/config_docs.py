@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from vllm_rlt.config import SECTIONS
+from vllm_rlt.config import SECTIONS, SERVE_SECTIONS
 
 HEADER = """\
 # Configuration reference
@@ -69,10 +69,11 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     out = [HEADER]
-    for name, cls in SECTIONS.items():
+    for name, cls in {**SECTIONS, **SERVE_SECTIONS}.items():
         hints = typing.get_type_hints(cls)
         out.append(f"\n## {name}\n")
-        out.append(f"`{cls.__name__}` (`EngineConfig.{name}`).\n")
+        where = "`vllm-rlt serve` only" if name in SERVE_SECTIONS else f"`EngineConfig.{name}`"
+        out.append(f"`{cls.__name__}` ({where}).\n")
         out.append("| setting | flag | type | default | description |")
         out.append("|---|---|---|---|---|")
         for f in dataclasses.fields(cls):

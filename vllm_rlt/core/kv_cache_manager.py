@@ -140,6 +140,11 @@ class KVCacheManager:
             del table[keep:]
         return longest > keep
 
+    def mark_changed(self, req_id: str) -> None:
+        """Report `req_id`'s tables at the next `take_changed` (blocks reserved before the
+        scheduler took the request in: a prefill/decode import)."""
+        self._changed.add(req_id)
+
     def take_changed(self) -> list[str]:
         """Requests whose block tables changed since the last call."""
         changed, self._changed = sorted(self._changed), set()

@@ -126,6 +126,11 @@ class AsyncLLMEngine:
     def is_healthy(self) -> bool:
         return self.error is None and not (self._task is not None and self._task.done())
 
+    @property
+    def health_message(self) -> str:
+        """Why /health fails (read when `is_healthy` is False)."""
+        return "the engine loop has stopped"
+
     # ---- public API (call from the event loop) -------------------------------------------------
     def start(self) -> None:
         if self._task is None:

@@ -23,7 +23,7 @@ import torch
 from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, num_planes_for
-from vllm_rlt.core.sched.execution_batch import ExecutionBatch
+from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.scheduler import Scheduler
@@ -201,6 +201,30 @@ class LLMEngine:
         for req in reqs:
             self.scheduler.add_request(req)
 
+    def prefilled_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int
+    ) -> Request:
+        """A request (one sample, `seed` drawn by the engine that prefills it) whose prompt
+        another engine prefills (a prefill/decode import, `import_prefilled`); validated, not
+        queued. ValueError as `add_request`."""
+        self._validate(prompt_ids, params)
+        if params.n != 1:
+            raise ValueError("n: a disaggregated server runs one sample per request (n=1)")
+        if request_id in self.scheduler.requests or self.outputs.children(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        settings = self._exit_settings(params, None)
+        return Request(
+            request_id, list(prompt_ids), params, settings, seed, self.eos_token_ids,
+            time.monotonic(),
+        )  # fmt: skip
+
+    def import_prefilled(self, req: Request, first: SampledToken) -> list[RequestOutput]:
+        """Start decoding `req`, whose blocks hold its whole prompt's KV (imported), from its
+        first token; returns the output carrying that token."""
+        self.outputs.add(req.request_id, None, req.prompt_token_ids, [req.request_id])
+        self.scheduler.add_prefilled(req, first)
+        return self._emit([req])
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples) in any state; its KV is freed at once. Returns its
         final output (finish_reason "abort"), or None for an unknown or finished request."""
@@ -282,8 +306,15 @@ class LLMEngine:
         requests = self.scheduler.requests
         windows = [requests[v.request_id] for v in batch.verifies if v.request_id in requests]
         before = {r.request_id: len(r.output_token_ids) for r in windows}
-        touched = self.scheduler.apply_tokens(batch, launched.read_tokens())
-        for req in touched:  # one token each, several for a verified window
+        return self._emit(self.scheduler.apply_tokens(batch, launched.read_tokens()), before)
+
+    def _emit(
+        self, touched: list[Request], before: dict[str, int] | None = None
+    ) -> list[RequestOutput]:
+        """Outputs of the requests that got tokens (stop strings end them here): one token
+        each, or several for a verified window (`before`: its output count before them)."""
+        before = before or {}
+        for req in touched:
             num = len(req.output_exit_depths)
             for depth in req.output_exit_depths[before.get(req.request_id, num - 1) :]:
                 self.stats.record_token(depth)

@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any, NoReturn
 
-from vllm_rlt.config import SECTIONS
+from vllm_rlt.config import SECTIONS, SERVE_SECTIONS
 from vllm_rlt.sampling_params import SamplingParams
 
 SAMPLING_HELP = {
@@ -121,6 +121,12 @@ def add_config_args(
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, cls in SECTIONS.items():
+        add_config_args(parser.add_argument_group(f"{name} options"), cls)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The settings of `vllm-rlt serve` beyond one engine's (prefill/decode disaggregation)."""
+    for name, cls in SERVE_SECTIONS.items():
         add_config_args(parser.add_argument_group(f"{name} options"), cls)
 
 

@@ -96,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="do not log a line when each request arrives and when it ends",
     )
     cli_args.add_engine_args(p)
+    cli_args.add_serve_args(p)
     p.set_defaults(func=run, parser=p)
 
 
@@ -127,7 +128,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
-    from vllm_rlt.config import EngineConfig
+    from vllm_rlt.config import DisaggConfig, EngineConfig
+    from vllm_rlt.disagg.router import PDRouter
     from vllm_rlt.engine.llm_engine import LLMEngine
     from vllm_rlt.entrypoints.openai.api_server import build_app
     from vllm_rlt.entrypoints.openai.lifecycle import GracefulServer
@@ -147,8 +149,16 @@ def run(args: argparse.Namespace) -> NoReturn:
     sock = bind(args.host, args.port)
     try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
+        disagg = DisaggConfig(**cli_args.config_kwargs(args, [DisaggConfig]))
+        if disagg.enabled:  # engine processes behind a router, which the app serves alike
+            engine = PDRouter(config, disagg, max_waiting_requests=args.max_waiting_requests)
+            for role in ("prefill", "decode"):
+                pids = engine.engine_pids(prefill=role == "prefill")
+                print(f"vllm-rlt: {role} engines: pids {pids}", flush=True)
+        else:
+            engine = LLMEngine(config)
         app = build_app(
-            LLMEngine(config),
+            engine,
             name,
             args.api_key,
             max_body_bytes=args.max_body_bytes,

@@ -47,6 +47,7 @@ from vllm_rlt.core.sched.execution_batch import (
     NewRequestData,
     RowKind,
     RunnerOutput,
+    SampledToken,
     ScheduledRequest,
     by_request,
     split_kinds,
@@ -214,6 +215,28 @@ class Scheduler:
             self._new.append(NewRequestData.of(req, planner.ring_slots, planner.chunk_size))
         return admitted
 
+    def add_prefilled(self, req: Request, first: SampledToken) -> None:
+        """Take in a request whose whole prompt another engine prefilled (a prefill/decode
+        import): its blocks hold every prompt position in every plane (reserved and filled by
+        the caller), `first` is its first token, sampled there at full depth. Its prefill
+        fields start from what arrived (the whole prompt) and it decodes from its next step,
+        as a resumed request does; it may end on that token at once (a stop or max_tokens)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        req.num_prefilled_tokens = req.prefill_reclaimable_tokens = req.prefill_len
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._ranks)
+        self.running.append(req)
+        self.kv.cache_prompt(req.request_id, req.prompt_token_ids, req.num_prompt_tokens)
+        req.pending_exit_depths.append(self.num_loops)
+        self._append_token(req, first)
+        if req.status.finished:
+            return
+        self.kv.mark_changed(req.request_id)
+        self._new.append(NewRequestData.of(req, self.planner.ring_slots, self.planner.chunk_size))
+        self._start_decoding(req)
+
     def _count_prefix(self, queried: int, found: int) -> None:
         self.prefix_queries += queried
         self.prefix_hits += found
@@ -251,12 +274,14 @@ class Scheduler:
     def _preempt(self, req: Request, sampled_now: bool, admitted_now) -> None:
         """Free `req`'s blocks and send it back to the front of the queue; it keeps its output
         tokens and their exit depths and recomputes the rest when it resumes. `admitted_now`:
-        its prefix-cache lookup when it was admitted in this step (then it is withdrawn)."""
+        its prefix-cache lookup when it was admitted in this step (then it is withdrawn, as is
+        a request imported since the last step)."""
         self.running.remove(req)
         self._release(req.request_id)
-        if admitted_now is not None:  # the runner has not heard of it: withdraw it
-            self._new = [n for n in self._new if n.request_id != req.request_id]
+        if admitted_now is not None:
             self._count_prefix(-admitted_now[0], -admitted_now[1])
+        if any(n.request_id == req.request_id for n in self._new):  # the runner has not heard
+            self._new = [n for n in self._new if n.request_id != req.request_id]
         else:
             self._finished.append(req.request_id)
             self.num_preemptions += 1

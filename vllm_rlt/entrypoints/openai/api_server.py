@@ -66,6 +66,7 @@ def build_app(
     when each request arrives and when it ends."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
+    # else an AsyncLLMEngine, or a disaggregated server's PDRouter, which has its interface
     elif max_waiting_requests is not None:
         engine.max_waiting_requests = max_waiting_requests
     metrics = ServerMetrics(served_model_name, engine)
@@ -86,7 +87,8 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log_startup(engine.engine, served_model_name, model_dir)
+        if isinstance(engine.engine, LLMEngine):  # (a PDRouter's engines log their own)
+            log_startup(engine.engine, served_model_name, model_dir)
         stats = None
         if log_stats:
             stats = asyncio.create_task(StatLogger(engine, metrics).run(log_stats_interval))
@@ -132,7 +134,7 @@ def build_app(
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
-        raise APIError(503, "the engine loop has stopped")
+        raise APIError(503, engine.health_message)
 
     @app.get("/version")
     async def get_version() -> dict[str, str]:

@@ -1,0 +1,102 @@
+"""Prefill/decode disaggregation, 1 prefill + 1 decode process over gloo, fp32: random
+workloads (staggered arrivals, prompts 1-300, chunks 1-64, atomic / split / WCPB on the
+prefill side, early exit on and off) give every request the tokens and exit depths a single
+engine gives; no block leaks on either side; a multi-chunk prompt's first chunk reaches the
+decode engine before the prefill engine has finished the prompt; a prompt the decode engine
+has seen is transferred without the blocks its prefix cache holds. The workloads are the WCPB
+suite's (`tests/engine/test_wcpb.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from tests.engine.harness import Job, compare, make_engine, run_batched
+from tests.engine.test_wcpb import workload
+from vllm_rlt.config import DisaggConfig, EngineConfig
+from vllm_rlt.disagg.router import PDRouter
+from vllm_rlt.models.tiny import write_tiny_ouro
+
+MODES = {
+    "atomic": {"scheduling_mode": "refill"},
+    "split": {"scheduling_mode": "mixed"},
+    "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
+}
+ARRIVAL_GAP_S = 0.02  # seconds per arrival step
+TIMEOUT_S = 120  # a run that takes longer fails (nothing may hang)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=21)
+
+
+def multi_chunk_workload(first_seed: int) -> tuple[list[Job], dict]:
+    """The WCPB suite's random workload (test_wcpb.workload) of the first seed from
+    `first_seed` on with a prompt of three chunks or more."""
+    for seed in itertools.count(first_seed):
+        jobs, settings = workload(seed)
+        if any(len(j.prompt) > 2 * settings["prefill_chunk_size"] for j in jobs):
+            return jobs, settings
+    raise AssertionError("unreachable")
+
+
+async def run_pd(router: PDRouter, jobs: list[Job]) -> dict[str, tuple]:
+    async def one(job: Job) -> tuple[str, tuple]:
+        await asyncio.sleep(job.arrival_step * ARRIVAL_GAP_S)
+        last = None
+        async for out in await router.add_request(job.req_id, job.prompt, job.params):
+            last = out
+        c = last.outputs[0]
+        return job.req_id, (tuple(c.token_ids), tuple(c.exit_depths))
+
+    return dict(await asyncio.gather(*(one(j) for j in jobs)))
+
+
+@pytest.mark.parametrize(
+    "mode,device",
+    [
+        *((mode, "cpu") for mode in MODES),
+        # one GPU: both engines on it, the KV through host memory over gloo
+        pytest.param("wcpb", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_pd_equals_single_engine(model_dir, mode, device):
+    jobs, settings = multi_chunk_workload(10 * list(MODES).index(mode))
+    settings |= MODES[mode]
+    backend = "torch" if device == "cpu" else "triton"
+    single = make_engine(model_dir, device, backend, **settings)
+    want = run_batched(single, jobs)
+    config = EngineConfig.from_kwargs(
+        model=str(model_dir), device=device, attention_backend=backend, dtype="float32",
+        num_kv_blocks=4096, block_size=4, **settings,
+    )  # fmt: skip
+    router = PDRouter(config, DisaggConfig(pd_prefill=1, pd_decode=1), record_transfers=True)
+    longest = max(jobs, key=lambda j: len(j.prompt))
+
+    async def scenario():
+        try:
+            got = await asyncio.wait_for(run_pd(router, jobs), TIMEOUT_S)
+            # the longest prompt again: the decode engine's prefix cache holds its blocks
+            again = [Job(f"{longest.req_id}-again", longest.prompt, longest.params)]
+            got |= await asyncio.wait_for(run_pd(router, again), TIMEOUT_S)
+            return got, await router.probe()
+        finally:
+            await router.shutdown()
+
+    got, statuses = asyncio.run(scenario())
+    assert compare(single, jobs, got, want, "last_exited") == 0
+    assert got[f"{longest.req_id}-again"] == want[longest.req_id]
+    skipped = router.transfers[f"{longest.req_id}-again"]["skip_blocks"]
+    assert skipped == (len(longest.prompt) - 1) // 4  # whole blocks before the last position
+    for status in statuses:  # nothing leaked on either side
+        assert status.num_free_blocks == status.num_total_blocks
+        assert status.num_running == status.num_waiting == 0
+    chunk = settings["prefill_chunk_size"]
+    # the transfer overlapped the prefill of later chunks (prompts of three chunks or more: the
+    # last one completes at least two steps after the first)
+    for job in [j for j in jobs if len(j.prompt) > 2 * chunk]:
+        t = router.transfers[job.req_id]
+        assert t["first_chunk_at"] < t["prefill_done_at"], job.req_id

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: engine processes, KV transfers, the front end's router."""
