@@ -21,7 +21,15 @@ import pytest
 import vllm_rlt
 
 PACKAGE = Path(vllm_rlt.__file__).parent
-LEAF = {"config", "sampling_params", "request", "outputs", "tensor_utils"}
+LEAF = {
+    "config",
+    "config_fields",
+    "serve_config",
+    "sampling_params",
+    "request",
+    "outputs",
+    "tensor_utils",
+}
 TOOLS = {"config_docs"}  # top-level tools, at the entrypoints' layer
 BELOW = {
     "leaf": set(),

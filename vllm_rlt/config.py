@@ -9,14 +9,12 @@ combinations fail here with a message naming both settings.
 
 from __future__ import annotations
 
-import numbers
 import os
-import types
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
+
+from vllm_rlt.config_fields import ConfigError, check, check_choices_and_types, field_help
 
 SCHEDULING_MODES = ("refill", "no_refill", "mixed")
 EXIT_MODES = ("ouro", "ouro_delayed", "trace")
@@ -37,83 +35,73 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_invariant")
 LAYER_KERNELS = ("auto", "torch", "fused", "skinny", "invariant")
 
 
-class ConfigError(ValueError):
-    """A setting or model file the engine cannot start with; the message names the setting or
-    the file (and what would fix it)."""
-
-
-def _help(text: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
-    metadata = {"help": text} if choices is None else {"help": text, "choices": choices}
-    return field(metadata=metadata, **kw)
-
-
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | os.PathLike | None = _help(
+    model: str | os.PathLike | None = field_help(
         "HF model directory (config.json, safetensors, tokenizer.json)", default=None
     )
-    dtype: str = _help(
+    dtype: str = field_help(
         "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",
         choices=DTYPE_NAMES,
         default="auto",
     )
-    load_format: str = _help(
+    load_format: str = field_help(
         "auto/safetensors: read the weights; dummy: seeded random weights",
         choices=LOAD_FORMATS,
         default="auto",
     )
-    device: str | None = _help("cpu or cuda (default: cuda when available)", default=None)
-    attention_backend: str = _help(
+    device: str | None = field_help("cpu or cuda (default: cuda when available)", default=None)
+    attention_backend: str = field_help(
         "attention implementation: auto (triton on CUDA, torch on CPU), torch (the reference), "
         "triton, or triton_invariant (batch_invariant's)",
         choices=ATTENTION_BACKENDS,
         default="auto",
     )
-    layer_kernels: str = _help(
+    layer_kernels: str = field_help(
         "how a layer's projections and element-wise steps run: auto (skinny on CUDA, torch on "
         "CPU), torch (the reference), fused or skinny (docs/design/runner.md §4), or invariant "
         "(batch_invariant's)",
         choices=LAYER_KERNELS,
         default="auto",
     )
-    batch_invariant: bool = _help(
+    batch_invariant: bool = field_help(
         "make every row's result bitwise independent of the other rows of its invocation and of "
         "the invocation's size, so that scheduling (WCPB, chunk size, budget, other requests) "
         "never changes a token: Triton kernels with tiles fixed per weight shape, attention "
         "without KV splits (docs/design/runner.md §6; it costs throughput)",
         default=False,
     )
-    seed: int = _help(
+    seed: int = field_help(
         "seed for dummy weights and for the seeds drawn for requests that give none", default=0
     )
-    enforce_eager: bool = _help(
+    enforce_eager: bool = field_help(
         "run every recurrent-core invocation eagerly: no CUDA graphs (by default invocations of "
         "up to 2048 rows replay graphs captured at start on CUDA with the triton backend)",
         default=False,
     )
-    init_scale: float = _help(
+    init_scale: float = field_help(
         "Huginn: scale of the random initial recurrent state each request draws from its seed "
         "(0: the zero state, deterministic); a request's init_scale overrides it",
         default=1.0,
     )
-    max_model_len: int | None = _help(
+    max_model_len: int | None = field_help(
         "most positions of one request (prompt + output); default: the model's "
         "max_position_embeddings, capped by what the KV cache holds for one request",
         default=None,
     )
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_choices_and_types(self)
         n = self.max_model_len
-        _check(n is None or n >= 2, "max_model_len", n, ">= 2 (one prompt and one output token)")
-        _check(self.init_scale >= 0, "init_scale", self.init_scale, ">= 0")
+        check(n is None or n >= 2, "max_model_len", n, ">= 2 (one prompt and one output token)")
+        check(self.init_scale >= 0, "init_scale", self.init_scale, ">= 0")
         if self.batch_invariant:
             for name, ok in (
                 ("attention_backend", ("auto", "triton", "triton_invariant")),
                 ("layer_kernels", ("auto", "invariant")),
             ):
                 value = getattr(self, name)
-                _check(value in ok, name, value, f"one of {ok} with batch_invariant (its kernels)")
+                check(value in ok, name, value, f"one of {ok} with batch_invariant (its kernels)")
 
     def kernel_names(self) -> tuple[str, str]:
         """(attention backend, layer kernels) the model is built with: batch_invariant's own,
@@ -125,89 +113,91 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = _help("KV positions per block", default=16)
-    kv_layout: str = _help(
+    block_size: int = field_help("KV positions per block", default=16)
+    kv_layout: str = field_help(
         "last_exited: one KV plane per depth, exits copy into skipped planes; shared: one plane",
         choices=KV_LAYOUTS,
         default="last_exited",
     )
-    num_kv_blocks: int | None = _help(
+    num_kv_blocks: int | None = field_help(
         "KV blocks (all planes share them); default: from kv_cache_memory_gb", default=None
     )
-    kv_cache_memory_gb: float | None = _help(
+    kv_cache_memory_gb: float | None = field_help(
         "memory for the KV cache when num_kv_blocks is unset; default: on CUDA what "
         "gpu_memory_utilization leaves, on the CPU a tenth of the available host memory "
         "(MemAvailable), at most 1 GiB",
         default=None,
     )
-    gpu_memory_utilization: float = _help(
+    gpu_memory_utilization: float = field_help(
         "fraction of the GPU's memory this engine may use (weights, activations, CUDA graphs, "
         "the KV cache; memory other processes hold counts against it): the KV cache gets what "
         "the rest leaves, measured at start (unless num_kv_blocks or kv_cache_memory_gb is set)",
         default=0.9,
     )
-    enable_prefix_caching: bool = _help(
+    enable_prefix_caching: bool = field_help(
         "reuse the KV of full prompt blocks that earlier requests computed (blocks stay cached "
         "after their request ends until the memory is needed)",
         default=True,
     )
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check(self.block_size >= 1, "block_size", self.block_size, ">= 1")
-        _check(
+        check_choices_and_types(self)
+        check(self.block_size >= 1, "block_size", self.block_size, ">= 1")
+        check(
             self.num_kv_blocks is None or self.num_kv_blocks >= 1,
             "num_kv_blocks",
             self.num_kv_blocks,
             ">= 1",
         )
         gb = self.kv_cache_memory_gb
-        _check(gb is None or gb > 0, "kv_cache_memory_gb", gb, "> 0")
+        check(gb is None or gb > 0, "kv_cache_memory_gb", gb, "> 0")
         util = self.gpu_memory_utilization
-        _check(0 < util <= 1, "gpu_memory_utilization", util, "in (0, 1]")
+        check(0 < util <= 1, "gpu_memory_utilization", util, "in (0, 1]")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = _help("most requests running at once (and so per batch)", default=8)
-    max_num_batched_tokens: int = _help("most rows in one recurrent-core invocation", default=1024)
-    prefill_chunk_size: int | None = _help(
+    max_num_seqs: int = field_help("most requests running at once (and so per batch)", default=8)
+    max_num_batched_tokens: int = field_help(
+        "most rows in one recurrent-core invocation", default=1024
+    )
+    prefill_chunk_size: int | None = field_help(
         "prompt positions per prefill chunk (default: max_num_batched_tokens)", default=None
     )
-    scheduling_mode: str = _help(
+    scheduling_mode: str = field_help(
         "refill: prefill and decode in separate batches; no_refill: decode cohorts; "
         "mixed: prefill rows fill the budget beside decode rows",
         choices=SCHEDULING_MODES,
         default="mixed",
     )
-    queue_policy: str = _help(
+    queue_policy: str = field_help(
         "fcfs or priority (lower value first, then arrival)",
         choices=QUEUE_POLICIES,
         default="fcfs",
     )
-    wavefront_chunked_prefill: bool = _help(
+    wavefront_chunked_prefill: bool = field_help(
         "WCPB: batch ready (prompt chunk, depth) tasks of all requests into each invocation",
         default=False,
     )
-    max_prefill_stall_loops: int | None = _help(
+    max_prefill_stall_loops: int | None = field_help(
         "latency rule: a batch (prefill-only, or decode rows with no exit decision due) runs at "
         "most this many loops before the scheduler decides again, so arrivals wait at most that "
         "long (default: no limit)",
         default=None,
     )
-    async_scheduling: bool = _help(
+    async_scheduling: bool = field_help(
         "schedule and queue each step before the tokens of the one before are read back, so "
         "the GPU does not idle while the host prepares a step (a step's outputs come with the "
         "next step)",
         default=True,
     )
-    max_prefill_rows_with_decode: int | None = _help(
+    max_prefill_rows_with_decode: int | None = field_help(
         "latency rule: an invocation that carries decode rows takes at most this many prefill "
         "rows (default: half of max_num_batched_tokens with WCPB, otherwise whatever budget the "
         "decode rows leave)",
         default=None,
     )
-    max_context_with_decode: int = _help(
+    max_context_with_decode: int = field_help(
         "decode rows share invocations with prefill rows only while no prompt in prefill is "
         "longer than this and no decoding request is past this position; otherwise decode "
         "steps (all their loops) and prefill batches of the whole budget alternate "
@@ -219,22 +209,22 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
-        _check(
+        check_choices_and_types(self)
+        check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        check(
             self.max_num_batched_tokens >= 1,
             "max_num_batched_tokens",
             self.max_num_batched_tokens,
             ">= 1",
         )
         chunk = self.prefill_chunk_size
-        _check(chunk is None or chunk >= 1, "prefill_chunk_size", chunk, ">= 1")
+        check(chunk is None or chunk >= 1, "prefill_chunk_size", chunk, ">= 1")
         stall = self.max_prefill_stall_loops
-        _check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
+        check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
         cap = self.max_prefill_rows_with_decode
-        _check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
+        check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
         apart = self.max_context_with_decode
-        _check(apart >= 0, "max_context_with_decode", apart, ">= 0")
+        check(apart >= 0, "max_context_with_decode", apart, ">= 0")
 
     @property
     def prefill_rows_with_decode(self) -> int | None:
@@ -255,46 +245,46 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ExitConfig:
-    exit_mode: str = _help(
+    exit_mode: str = field_help(
         "ouro: exit when the gate's exit CDF reaches the threshold; ouro_delayed: one loop "
         "later; trace: replay given exit depths",
         choices=EXIT_MODES,
         default="ouro",
     )
-    exit_threshold: float | None = _help(
+    exit_threshold: float | None = field_help(
         "default CDF threshold in [0, 1] (1 = fixed depth); default: the model config's",
         default=None,
     )
-    trace_seed: int | None = _help(
+    trace_seed: int | None = field_help(
         "trace mode: draw each decode token's loops from this seed when a request gives no "
         "trace (default: such tokens run max_loops)",
         default=None,
     )
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_choices_and_types(self)
         t = self.exit_threshold
-        _check(t is None or 0.0 <= t <= 1.0, "exit_threshold", t, "in [0, 1]")
+        check(t is None or 0.0 <= t <= 1.0, "exit_threshold", t, "in [0, 1]")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    num_speculative_tokens: int = _help(
+    num_speculative_tokens: int = field_help(
         "self-speculative decoding: tokens a decoding request drafts with fewer loops before "
         "one verify pass over the remaining loops checks them (0: off; needs fixed depth, "
         "docs/design/speculative.md)",
         default=0,
     )
-    speculative_draft_loops: int = _help(
+    speculative_draft_loops: int = field_help(
         "loops a draft token runs (1 <= loops < the model's depth)", default=1
     )
-    speculative_max_decode_rows: int = _help(
+    speculative_max_decode_rows: int = field_help(
         "adaptive rule: speculation is off for a window that starts while more requests than "
         "this decode (verify rows multiply the rows per invocation, which stops paying once "
         "invocations leave the weight-bound regime)",
         default=8,
     )
-    speculative_invocation_costs: str | None = _help(
+    speculative_invocation_costs: str | None = field_help(
         "adaptive rule: measured cost of one recurrent-core invocation by rows, as "
         "'rows:cost,rows:cost,...' (any unit, interpolated linearly); with it each window takes "
         "the number of drafts the cost model predicts fastest, 0 (off) included (default: "
@@ -303,13 +293,13 @@ class SpeculativeConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_types(self)
+        check_choices_and_types(self)
         k = self.num_speculative_tokens
-        _check(k >= 0, "num_speculative_tokens", k, ">= 0")
+        check(k >= 0, "num_speculative_tokens", k, ">= 0")
         d = self.speculative_draft_loops
-        _check(d >= 1, "speculative_draft_loops", d, ">= 1")
+        check(d >= 1, "speculative_draft_loops", d, ">= 1")
         rows = self.speculative_max_decode_rows
-        _check(rows >= 0, "speculative_max_decode_rows", rows, ">= 0")
+        check(rows >= 0, "speculative_max_decode_rows", rows, ">= 0")
         if self.speculative_invocation_costs is not None:
             self.invocation_costs()
 
@@ -325,7 +315,7 @@ class SpeculativeConfig:
             points = ()
         ok = bool(points) and all(r >= 1 and c > 0 for r, c in points)
         ok = ok and all(a[0] < b[0] for a, b in zip(points, points[1:], strict=False))
-        _check(ok, "speculative_invocation_costs", text, want)
+        check(ok, "speculative_invocation_costs", text, want)
         return points
 
 
@@ -384,7 +374,7 @@ class EngineConfig:
         if not spec.num_speculative_tokens:
             return
         d = spec.speculative_draft_loops
-        _check(d < num_loops, "speculative_draft_loops", d, f"< the model's depth ({num_loops})")
+        check(d < num_loops, "speculative_draft_loops", d, f"< the model's depth ({num_loops})")
         if self.cache.kv_layout == KVLayout.SHARED.value:
             raise ConfigError(
                 f"num_speculative_tokens={spec.num_speculative_tokens} cannot run with "
@@ -420,95 +410,3 @@ SECTIONS = {
     "exit": ExitConfig,
     "speculative": SpeculativeConfig,
 }
-
-
-PD_TRANSPORTS = ("auto", "gloo", "nccl")
-
-
-@dataclass(frozen=True)
-class DisaggConfig:
-    """Prefill/decode disaggregation (`vllm-rlt serve` only; docs/design/disaggregation.md)."""
-
-    pd_prefill: int = _help(
-        "prefill engines (one process each) of a disaggregated server; with pd_decode, the "
-        "server runs pd_prefill + pd_decode engine processes behind one front end (0: one "
-        "engine does both)",
-        default=0,
-    )
-    pd_decode: int = _help("decode engines (one process each) of a disaggregated server", default=0)
-    pd_transport: str = _help(
-        "torch.distributed backend of the KV transfers: nccl between GPUs (each engine on its "
-        "own GPU), gloo otherwise (CUDA KV then passes through host memory); auto picks",
-        choices=PD_TRANSPORTS,
-        default="auto",
-    )
-    pd_master_addr: str = _help(
-        "rendezvous address of the engines' process group (torch.distributed MASTER_ADDR)",
-        default="127.0.0.1",
-    )
-    pd_master_port: int = _help(
-        "rendezvous port of the engines' process group (MASTER_PORT; 0: a free port)", default=0
-    )
-
-    def __post_init__(self) -> None:
-        _check_types(self)
-        p, d = self.pd_prefill, self.pd_decode
-        _check(p >= 0 and d >= 0, "pd_prefill and pd_decode", (p, d), ">= 0")
-        _check((p == 0) == (d == 0), "pd_prefill and pd_decode", (p, d), "both 0 or both >= 1")
-        port = self.pd_master_port
-        _check(0 <= port <= 65535, "pd_master_port", port, "in 0..65535")
-
-    @property
-    def enabled(self) -> bool:
-        return self.pd_prefill > 0
-
-
-SERVE_SECTIONS = {"disagg": DisaggConfig}  # settings of `vllm-rlt serve`, not of one engine
-
-
-def _check(ok: bool, name: str, value: Any, want: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name} must be {want}, got {value!r}")
-
-
-def _check_types(config: Any) -> None:
-    """The annotation of every field, then the `choices` of every enumerated one."""
-    check_field_types(type(config), {f.name: getattr(config, f.name) for f in fields(config)})
-    for f in fields(config):
-        choices = f.metadata.get("choices")
-        value = getattr(config, f.name)
-        _check(choices is None or value in choices, f.name, value, f"one of {choices}")
-
-
-def check_field_types(cls: type, values: Mapping[str, Any]) -> None:
-    """ConfigError naming the first of `values` that does not match its annotation on the
-    dataclass `cls` (any integral number is an int and any real one a float; a bool is
-    neither)."""
-    hints = typing.get_type_hints(cls)
-    for name, value in values.items():
-        if name in hints and not _matches(value, hints[name]):
-            want = _type_name(hints[name])
-            raise ConfigError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arm) for arm in args)
-    if origin in (list, tuple):
-        items = [a for a in args if a is not Ellipsis]
-        return isinstance(value, origin) and all(_matches(v, items[0]) for v in value)
-    if hint is Any:
-        return True
-    if hint is type(None):
-        return value is None
-    if hint in (int, float):
-        kind = numbers.Integral if hint is int else numbers.Real
-        return isinstance(value, kind) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _type_name(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(arm) for arm in typing.get_args(hint))
-    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))

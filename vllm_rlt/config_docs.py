@@ -15,7 +15,8 @@ import types
 import typing
 from typing import Any
 
-from vllm_rlt.config import SECTIONS, SERVE_SECTIONS
+from vllm_rlt.config import SECTIONS
+from vllm_rlt.serve_config import SERVE_SECTIONS
 
 HEADER = """\
 # Configuration reference

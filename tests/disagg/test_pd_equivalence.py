@@ -15,9 +15,10 @@ import pytest
 
 from tests.engine.harness import Job, compare, make_engine, run_batched
 from tests.engine.test_wcpb import workload
-from vllm_rlt.config import DisaggConfig, EngineConfig
+from vllm_rlt.config import EngineConfig
 from vllm_rlt.disagg.router import PDRouter
 from vllm_rlt.models.tiny import write_tiny_ouro
+from vllm_rlt.serve_config import DisaggConfig
 
 MODES = {
     "atomic": {"scheduling_mode": "refill"},

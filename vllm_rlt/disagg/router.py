@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from vllm_rlt.config import ConfigError, DisaggConfig, EngineConfig
+from vllm_rlt.config import ConfigError, EngineConfig
 from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.disagg.prefill_role import prefill_params
 from vllm_rlt.disagg.worker import Placement, engine_main
@@ -44,6 +44,7 @@ from vllm_rlt.engine.async_engine import (
 from vllm_rlt.models.loader import read_config, read_tokenizer
 from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.serve_config import DisaggConfig
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # most seconds the engines get to load and join the group

@@ -16,10 +16,11 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from vllm_rlt.config import DisaggConfig, EngineConfig
+from vllm_rlt.config import EngineConfig
 from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.disagg.transport import init_group, pair_groups
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.serve_config import DisaggConfig
 
 IDLE_WAIT_S = 0.002  # longest wait for a message while the engine has nothing to run
 STATUS_INTERVAL_S = 0.05  # shortest time between two Status messages

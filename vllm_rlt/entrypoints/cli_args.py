@@ -16,8 +16,9 @@ import types
 import typing
 from typing import Any, NoReturn
 
-from vllm_rlt.config import SECTIONS, SERVE_SECTIONS
+from vllm_rlt.config import SECTIONS
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.serve_config import SERVE_SECTIONS
 
 SAMPLING_HELP = {
     "n": "samples per prompt",

@@ -128,11 +128,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> NoReturn:
-    from vllm_rlt.config import DisaggConfig, EngineConfig
+    from vllm_rlt.config import EngineConfig
     from vllm_rlt.disagg.router import PDRouter
     from vllm_rlt.engine.llm_engine import LLMEngine
     from vllm_rlt.entrypoints.openai.api_server import build_app
     from vllm_rlt.entrypoints.openai.lifecycle import GracefulServer
+    from vllm_rlt.serve_config import DisaggConfig
 
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise SystemExit("error: max_waiting_requests must be >= 1")

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from vllm_rlt.config import check_field_types
+from vllm_rlt.config_fields import check_field_types
 from vllm_rlt.models.registry import UnsupportedConfigError
 
 # HF aliases RavenConfig accepts for its own field names

@@ -18,7 +18,8 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import LAYER_KERNELS, check_field_types
+from vllm_rlt.config import LAYER_KERNELS
+from vllm_rlt.config_fields import check_field_types
 from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
 from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from vllm_rlt.models.registry import UnsupportedConfigError

@@ -1,0 +1,53 @@
+"""Settings of `vllm-rlt serve` beyond one engine's (`vllm_rlt.config`): prefill/decode
+disaggregation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_rlt.config_fields import check, check_choices_and_types, field_help
+
+PD_TRANSPORTS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (`vllm-rlt serve` only; docs/design/disaggregation.md)."""
+
+    pd_prefill: int = field_help(
+        "prefill engines (one process each) of a disaggregated server; with pd_decode, the "
+        "server runs pd_prefill + pd_decode engine processes behind one front end (0: one "
+        "engine does both)",
+        default=0,
+    )
+    pd_decode: int = field_help(
+        "decode engines (one process each) of a disaggregated server", default=0
+    )
+    pd_transport: str = field_help(
+        "torch.distributed backend of the KV transfers: nccl between GPUs (each engine on its "
+        "own GPU), gloo otherwise (CUDA KV then passes through host memory); auto picks",
+        choices=PD_TRANSPORTS,
+        default="auto",
+    )
+    pd_master_addr: str = field_help(
+        "rendezvous address of the engines' process group (torch.distributed MASTER_ADDR)",
+        default="127.0.0.1",
+    )
+    pd_master_port: int = field_help(
+        "rendezvous port of the engines' process group (MASTER_PORT; 0: a free port)", default=0
+    )
+
+    def __post_init__(self) -> None:
+        check_choices_and_types(self)
+        p, d = self.pd_prefill, self.pd_decode
+        check(p >= 0 and d >= 0, "pd_prefill and pd_decode", (p, d), ">= 0")
+        check((p == 0) == (d == 0), "pd_prefill and pd_decode", (p, d), "both 0 or both >= 1")
+        port = self.pd_master_port
+        check(0 <= port <= 65535, "pd_master_port", port, "in 0..65535")
+
+    @property
+    def enabled(self) -> bool:
+        return self.pd_prefill > 0
+
+
+SERVE_SECTIONS = {"disagg": DisaggConfig}  # settings of `vllm-rlt serve`, not of one engine
