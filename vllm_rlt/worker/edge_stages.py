@@ -35,6 +35,8 @@ class EdgeSegment:
 class PlainEdges:
     """A prelude and a coda without attention (the embedding, the LM head)."""
 
+    finishes = False  # nothing runs for prompt rows whose loops are done
+
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
@@ -55,6 +57,8 @@ class PlainEdges:
 class AttendingEdges:
     """A prelude and a coda with attention blocks over `model.num_edge_planes` planes that
     follow the loops' `first_plane` planes."""
+
+    finishes = True  # prompt rows whose loops are done run the coda's blocks (`finish`)
 
     def __init__(
         self, model: torch.nn.Module, kv_cache: DeviceKVCache, first_plane: int, tile_rows: int
@@ -93,7 +97,8 @@ class AttendingEdges:
             to_device(scales, torch.float32, self.device),
         )
 
-    def finish(self, states, rows, segments):
+    def finish(self, states: torch.Tensor, rows: list[int], segments: list[EdgeSegment]) -> None:
+        """`states[rows]`: prompt rows whose loops are done: the coda's blocks write their K/V."""
         done = states[to_device(rows, torch.int64, self.device)]
         self.model.coda_blocks(done, self._metas(segments), self.kv_cache)
 

@@ -230,7 +230,7 @@ class ModelRunner:
                 decode_segs.append(m.segment(t.token_start, t.num_tokens))
             if not prefill:
                 m.position = end - 1
-            else:
+            elif self.edges.finishes:  # (per-row lists only for a model with coda blocks)
                 for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
                     finish_rows.extend(range(row + offset, row + offset + n))
                     finish_segs.append(m.segment(t.token_start + offset, n))
