@@ -113,6 +113,7 @@ def evaluate(args) -> dict:
             prefill_chunk_size=args.chunk_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             batch_invariant=args.batch_invariant,
+            kv_cache_memory_gb=args.kv_cache_gb,
             **settings,
         )
         for name, settings in MODES.items()
@@ -198,6 +199,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=32, help="prefill chunk (small: many tasks)")
     p.add_argument("--batch-invariant", action="store_true", help="the engine's batch_invariant")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument(
+        "--kv-cache-gb", type=float, default=0.5, help="KV cache of each engine (one per mode)"
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
     p.add_argument("--report", type=Path, default=None, help="use this report, do not evaluate")
     p.add_argument("--card", type=Path, default=None, help="model card to write the results to")

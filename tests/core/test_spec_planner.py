@@ -74,6 +74,11 @@ def test_default_rule_is_off_above_the_row_limit():
     assert r.num_drafts(num_decoding=1, remaining=3) == 2  # the window emits up to 3 tokens
     assert r.num_drafts(num_decoding=1, remaining=1) == 0
     assert SpecPlanner(SpeculativeConfig(num_speculative_tokens=4), D, max_rows=3).max_drafts == 2
+    # without a cost table invocations count as weight-bound (flat): K while drafts pay there
+    r.num_drafted, r.num_accepted = 100, 10  # a ~ 0.16: 1.19 tokens for 8 invocations, not 4
+    assert r.num_drafts(num_decoding=1, remaining=100) == 0
+    r.num_accepted = 90
+    assert r.num_drafts(num_decoding=1, remaining=100) == 4
 
 
 def test_cost_table_rule():

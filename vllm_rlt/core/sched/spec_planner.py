@@ -45,8 +45,8 @@ class SpecPlanner:
         most = min(self.max_drafts, remaining - 1)
         if most <= 0 or num_decoding > self.config.speculative_max_decode_rows:
             return 0
-        if self.costs is None:
-            return most
+        if self.costs is None:  # K while the acceptance so far makes it pay at flat costs
+            return most if self.tokens_per_cost(most, num_decoding) > 1 / self.num_loops else 0
         rate = [self.tokens_per_cost(k, num_decoding) for k in range(most + 1)]
         return max(range(most + 1), key=lambda k: (rate[k], -k))
 
@@ -65,10 +65,13 @@ class SpecPlanner:
         return tokens / cost
 
     def cost(self, rows: int) -> float:
-        """One invocation's cost at `rows` rows, interpolated linearly in the table: flat below
+        """One invocation's cost at `rows` rows (1 without a table), interpolated linearly in the
+        table: flat below
         its first point, along its last segment above its last (proportional to rows for a
         table of one point)."""
         points = self.costs
+        if points is None:  # no table: weight-bound, every invocation costs the same
+            return 1.0
         if rows <= points[0][0]:
             return points[0][1]
         if len(points) == 1:
