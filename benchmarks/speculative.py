@@ -130,6 +130,15 @@ def decode_costs(timer: InvocationTimer) -> dict[int, float]:
     }
 
 
+def force_windows(planner) -> None:
+    """Every window drafts K (`planner`: the engine's SpecPlanner, None when off). On dummy
+    weights nearly every draft is rejected, so the adaptive rule would stop speculating and the
+    verify invocations that `cost` times would not run; the counters now read as if every draft
+    was accepted (`cost` reports no acceptance)."""
+    if planner is not None:
+        planner.num_drafted = planner.num_accepted = 10**9
+
+
 def modeled_speedup(a: float, k: int, d: int, depth: int, c_b: float, c_verify: float) -> float:
     """The cost model of docs/design/speculative.md §5: tokens per window over its cost,
     relative to plain decoding (D invocations of B rows per token)."""
@@ -146,6 +155,7 @@ def run_cost(args) -> dict:
             depth = next(iter(engines.values())).num_loops
             costs: dict[int, float] = {}
             for engine in engines.values():
+                force_windows(engine.scheduler.spec)
                 prompts = [[1 + i] * args.prompt_len for i in range(c)]
                 run_requests(engine, prompts, args.output_len)  # warm-up
                 engine.runner.timer = InvocationTimer(engine.runner.device, by_context=True)

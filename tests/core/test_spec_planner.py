@@ -17,7 +17,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
-from vllm_rlt.core.sched.spec_planner import SpecPlanner
+from vllm_rlt.core.sched.spec_planner import JUDGE_AFTER, PROBE_EVERY, SpecPlanner
 from vllm_rlt.request import ExitSettings, Request
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -74,11 +74,22 @@ def test_default_rule_is_off_above_the_row_limit():
     assert r.num_drafts(num_decoding=1, remaining=3) == 2  # the window emits up to 3 tokens
     assert r.num_drafts(num_decoding=1, remaining=1) == 0
     assert SpecPlanner(SpeculativeConfig(num_speculative_tokens=4), D, max_rows=3).max_drafts == 2
-    # without a cost table invocations count as weight-bound (flat): K while drafts pay there
-    r.num_drafted, r.num_accepted = 100, 10  # a ~ 0.16: 1.19 tokens for 8 invocations, not 4
-    assert r.num_drafts(num_decoding=1, remaining=100) == 0
-    r.num_accepted = 90
-    assert r.num_drafts(num_decoding=1, remaining=100) == 4
+
+
+
+def test_default_rule_stops_drafting_that_does_not_pay():
+    """Without a cost table invocations count as weight-bound (all cost the same): a window
+    drafts K while the acceptance so far pays there, judged after JUDGE_AFTER drafts; declined
+    windows still draft every PROBE_EVERY-th time, to keep measuring."""
+    r = rule(k=1, d=3)  # the prior (a = 0.7) does not pay: 1.7 tokens for 7 invocations, not 4
+    assert r.num_drafts(1, 100) == 1
+    r.num_drafted, r.num_accepted = JUDGE_AFTER, JUDGE_AFTER  # all accepted: 2 for 7 pays
+    assert r.num_drafts(1, 100) == 1
+    r = rule(k=4, d=1)
+    r.num_drafted, r.num_accepted = 100, 10  # a ~ 0.16: 1.19 tokens for 8 invocations
+    assert [r.num_drafts(1, 100) for _ in range(2 * PROBE_EVERY)].count(4) == 2
+    r.num_accepted = 90  # a ~ 0.85: 4.2 tokens for 8 invocations
+    assert r.num_drafts(1, 100) == 4
 
 
 def test_cost_table_rule():

@@ -23,6 +23,8 @@ from vllm_rlt.request import DecodeToken, Request, SpecWindow
 
 PRIOR_ACCEPTANCE = 0.7  # the adaptive rule's acceptance rate before any draft was verified
 PRIOR_WEIGHT = 8  # drafts the prior counts as
+JUDGE_AFTER = 16  # the rule without a cost table turns speculation off only after this many drafts
+PROBE_EVERY = 64  # ... and then still opens every this-many-th window, to follow the workload
 
 
 class SpecPlanner:
@@ -37,6 +39,7 @@ class SpecPlanner:
         self.num_windows = 0  # windows verified and read back
         self.num_drafted = 0  # draft tokens those windows verified
         self.num_accepted = 0  # draft tokens accepted (each window also emits one target token)
+        self.num_declined = 0  # windows the rule without a cost table turned off
 
     # ---- the adaptive rule ------------------------------------------------------------------
     def num_drafts(self, num_decoding: int, remaining: int) -> int:
@@ -45,10 +48,22 @@ class SpecPlanner:
         most = min(self.max_drafts, remaining - 1)
         if most <= 0 or num_decoding > self.config.speculative_max_decode_rows:
             return 0
-        if self.costs is None:  # K while the acceptance so far makes it pay at flat costs
-            return most if self.tokens_per_cost(most, num_decoding) > 1 / self.num_loops else 0
+        if self.costs is None:
+            return most if self.flat_rule_drafts(most, num_decoding) else 0
         rate = [self.tokens_per_cost(k, num_decoding) for k in range(most + 1)]
         return max(range(most + 1), key=lambda k: (rate[k], -k))
+
+    def flat_rule_drafts(self, k: int, num_decoding: int) -> bool:
+        """The rule without a cost table (invocations weight-bound, all costing the same):
+        whether a window drafts `k`. It does while the acceptance so far makes `k` drafts pay
+        against plain decoding, or before `JUDGE_AFTER` drafts were verified; when it does not,
+        every `PROBE_EVERY`-th window drafts anyway, so that the acceptance keeps being measured."""
+        if self.num_drafted < JUDGE_AFTER:
+            return True
+        if self.tokens_per_cost(k, num_decoding) > 1 / self.num_loops:
+            return True
+        self.num_declined += 1
+        return self.num_declined % PROBE_EVERY == 0
 
     def acceptance(self) -> float:
         """Acceptance rate per draft so far, starting from the prior."""
