@@ -76,7 +76,6 @@ def test_default_rule_is_off_above_the_row_limit():
     assert SpecPlanner(SpeculativeConfig(num_speculative_tokens=4), D, max_rows=3).max_drafts == 2
 
 
-
 def test_default_rule_stops_drafting_that_does_not_pay():
     """Without a cost table invocations count as weight-bound (all cost the same): a window
     drafts K while the acceptance so far pays there, judged after JUDGE_AFTER drafts; declined
