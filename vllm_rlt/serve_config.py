@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from vllm_rlt.config_fields import check, check_choices_and_types, field_help
 
 PD_TRANSPORTS = ("auto", "gloo", "nccl")
+AUTHKEY_ENV = "VLLM_RLT_PD_AUTHKEY"  # the secret that front end and remote engines share
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,42 @@ class DisaggConfig:
         "rendezvous port of the engines' process group (MASTER_PORT; 0: a free port)", default=0
     )
 
+    pd_remote_prefill: int = field_help(
+        "of the pd_prefill engines, how many run on other hosts (the last ones by rank), each "
+        "started there with `vllm-rlt pd-engine`; prefill engine 0 always runs here",
+        default=0,
+    )
+    pd_remote_decode: int = field_help(
+        "of the pd_decode engines, how many run on other hosts (the last ones by rank)",
+        default=0,
+    )
+    pd_control_port: int = field_help(
+        "port on pd_master_addr where the front end waits for its remote engines to connect "
+        "(needed with remote engines; their control messages use it, authenticated by the "
+        f"secret in ${AUTHKEY_ENV})",
+        default=0,
+    )
+
     def __post_init__(self) -> None:
         check_choices_and_types(self)
         p, d = self.pd_prefill, self.pd_decode
         check(p >= 0 and d >= 0, "pd_prefill and pd_decode", (p, d), ">= 0")
         check((p == 0) == (d == 0), "pd_prefill and pd_decode", (p, d), "both 0 or both >= 1")
-        port = self.pd_master_port
-        check(0 <= port <= 65535, "pd_master_port", port, "in 0..65535")
+        for name in ("pd_master_port", "pd_control_port"):
+            port = getattr(self, name)
+            check(0 <= port <= 65535, name, port, "in 0..65535")
+        rp, rd = self.pd_remote_prefill, self.pd_remote_decode
+        check(0 <= rp < max(p, 1), "pd_remote_prefill", rp, f"in 0..pd_prefill - 1 ({p - 1})")
+        check(0 <= rd <= d, "pd_remote_decode", rd, f"in 0..pd_decode ({d})")
+        if rp or rd:
+            port = self.pd_control_port
+            check(port > 0, "pd_control_port", port, ">= 1 when engines run on other hosts")
+
+    def is_remote(self, rank: int) -> bool:
+        """Whether engine `rank` (prefill engines first) runs on another host."""
+        if rank < self.pd_prefill:
+            return rank >= self.pd_prefill - self.pd_remote_prefill
+        return rank >= self.pd_prefill + self.pd_decode - self.pd_remote_decode
 
     @property
     def enabled(self) -> bool:

@@ -1,10 +1,14 @@
 """Control messages between the front end and the engine processes (over multiprocessing
-pipes; KV blocks travel over torch.distributed, `transport.py`). Plain frozen data.
+pipes, or authenticated sockets for engines on other hosts; KV blocks travel over
+torch.distributed, `transport.py`). Plain frozen data.
 
 A request's life: front end -> decode `Expect`; decode -> `Accepted` (or `Rejected`), and once
 its blocks are reserved `Reserved`; front end -> prefill `Prefill`; prefill -> decode KV chunks
 (transport); prefill -> front end `FirstToken`, relayed to the decode engine; decode ->
 `Outputs` as tokens come. `Abort` ends a request on either side.
+
+An engine on another host connects first: remote engine -> front end `Join`; front end ->
+remote engine `Assign`; then, as for every engine, `Ready` (or `StartFailed`).
 """
 
 from __future__ import annotations
@@ -143,3 +147,21 @@ class StartFailed:
 @dataclass(frozen=True)
 class Shutdown:
     """front end -> engine: stop."""
+
+
+@dataclass(frozen=True)
+class Join:
+    """remote engine -> front end, first over its control connection: which engine it is."""
+
+    rank: int
+    host: str
+
+
+@dataclass(frozen=True)
+class Assign:
+    """front end -> remote engine: what to run (then the engine answers Ready or StartFailed).
+    `place` is a worker.Placement, `config` an EngineConfig, `disagg` a DisaggConfig."""
+
+    place: object
+    config: object
+    disagg: object

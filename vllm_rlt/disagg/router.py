@@ -5,7 +5,8 @@ to the least-loaded prefill and decode engine, relays the control messages of it
 `PDRouter` has the interface the OpenAI app uses of `AsyncLLMEngine` (`add_request` returning a
 `RequestStream`, `abort`, `snapshot`, `is_healthy`, `error`, `start`, `shutdown`, and `engine`,
 here a `FrontEndInfo`), so the same app serves it. It lives on the event loop; a reader thread
-waits on every engine's pipe and process sentinel and hands what arrives to the loop.
+waits on every engine's connection (and a local one's process sentinel) and hands what arrives
+to the loop. The engine processes, local or on other hosts, are started by `engines.py`.
 
 Faults: when an engine process dies, every request it was serving ends with
 `RequestFailedError` naming it, the surviving side of each is told to drop it (its blocks are
@@ -20,19 +21,16 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import random
-import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from vllm_rlt.config import ConfigError, EngineConfig
+from vllm_rlt.config import EngineConfig
 from vllm_rlt.disagg import protocol as msg
+from vllm_rlt.disagg.engines import EngineHandle, join_all, start_engines
 from vllm_rlt.disagg.prefill_role import prefill_params
-from vllm_rlt.disagg.worker import Placement, engine_main
 from vllm_rlt.engine.async_engine import (
     EngineDeadError,
     EngineSnapshot,
@@ -47,8 +45,6 @@ from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.serve_config import DisaggConfig
 
 logger = logging.getLogger(__name__)
-START_TIMEOUT_S = 300.0  # most seconds the engines get to load and join the group
-STOP_TIMEOUT_S = 10.0  # most seconds an engine gets to stop before it is killed
 
 
 @dataclass(frozen=True)
@@ -63,33 +59,14 @@ class FrontEndInfo:
 
 
 @dataclass
-class _Engine:
-    place: Placement
-    process: multiprocessing.process.BaseProcess
-    conn: object
-    pid: int = 0
-    max_model_len: int = 0
-    alive: bool = True
-    load: int = 0  # requests routed here and not finished on this side
-    status: msg.Status | None = None
-
-    @property
-    def name(self) -> str:
-        p = self.place
-        if p.is_prefill:
-            return f"prefill engine {p.rank} (pid {self.pid})"
-        return f"decode engine {p.rank - p.num_prefill} (pid {self.pid})"
-
-
-@dataclass
 class _Flight:
     handle: int
     request_id: str
     prompt: tuple[int, ...]
     params: SamplingParams
     seed: int
-    prefill: _Engine
-    decode: _Engine
+    prefill: EngineHandle
+    decode: EngineHandle
     stream: RequestStream
     accepted: asyncio.Future
     prefill_done: bool = False  # the first token came back: the prefill side is finished
@@ -105,31 +82,23 @@ class PDRouter:
         max_waiting_requests: int | None = None,
         record_transfers: bool = False,
     ):
-        """Starts pd_prefill + pd_decode engine processes and waits until all are ready
+        """Starts pd_prefill + pd_decode engine processes (`engines.start_engines`: the remote
+        ones connect) and waits until all are ready
         (ConfigError with the first engine's message when one cannot start).
         `record_transfers`: keep, per finished request, when the prefill engine completed its
         prompt, when its first chunk reached the decode engine and how many blocks the decode
         engine's prefix cache held (`transfers`; tests)."""
         self.max_waiting_requests = max_waiting_requests
         self.transfers: dict[str, dict[str, float]] | None = {} if record_transfers else None
-        ctx = multiprocessing.get_context("spawn")
-        port = disagg.pd_master_port or _free_port(disagg.pd_master_addr)
-        n, m = disagg.pd_prefill, disagg.pd_decode
-        self.engines: list[_Engine] = []
-        for rank in range(n + m):
-            place = Placement(rank, n, m, port)
-            here, there = ctx.Pipe()
-            proc = ctx.Process(
-                target=engine_main, args=(place, config, disagg, there), daemon=True,
-                name=f"vllm-rlt-{'prefill' if place.is_prefill else 'decode'}-{rank}",
-            )  # fmt: skip
-            proc.start()
-            there.close()
-            self.engines.append(_Engine(place, proc, here))
-        max_len = self._wait_ready()
+        self.engines = start_engines(config, disagg)
+        max_len = min(e.max_model_len for e in self.engines)
         model_dir = Path(config.model.model or default_model_dir())
         self.engine = FrontEndInfo(
-            config, read_tokenizer(model_dir), read_config(model_dir), self._num_loops, max_len
+            config,
+            read_tokenizer(model_dir),
+            read_config(model_dir),
+            self.engines[0].num_loops,
+            max_len,
         )
         self._flights: dict[int, _Flight] = {}
         self._by_id: dict[str, int] = {}
@@ -139,28 +108,6 @@ class PDRouter:
         self._stopping = False
         self.error: BaseException | None = None
         self.snapshot = EngineSnapshot()
-
-    def _wait_ready(self) -> int:
-        """Wait for every engine's Ready; the first that fails (or exits, or the deadline)
-        ends the start, and every engine with it (the others may wait for it to join the
-        group). Returns the smallest max_model_len."""
-        waiting = {e.conn: e for e in self.engines}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while waiting:
-            ready = wait(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
-            for conn in ready or list(waiting)[:1]:
-                e = waiting.pop(conn)
-                try:
-                    reply = conn.recv() if ready else None
-                except (EOFError, OSError):  # the process ended
-                    reply = None
-                if not isinstance(reply, msg.Ready):
-                    self._kill_all()
-                    why = reply.message if isinstance(reply, msg.StartFailed) else "exited or hung"
-                    raise ConfigError(f"engine {e.place.rank} could not start: {why}")
-                e.pid, e.max_model_len = reply.pid, reply.max_model_len
-                self._num_loops = reply.num_loops
-        return min(e.max_model_len for e in self.engines)
 
     # ---- the AsyncLLMEngine interface -----------------------------------------------------
     @property
@@ -232,7 +179,7 @@ class PDRouter:
         for e in self.engines:
             if e.alive:
                 self._send(e, msg.Shutdown())
-        await asyncio.to_thread(self._join_all)
+        await asyncio.to_thread(join_all, self.engines)
         self._fail_all(EngineStoppedError("the server is shutting down"))
 
     async def probe(self) -> list[msg.Status | None]:
@@ -249,13 +196,13 @@ class PDRouter:
         return [e.pid for e in self.engines if e.place.is_prefill == prefill]
 
     # ---- routing --------------------------------------------------------------------------
-    def _least_loaded(self, prefill: bool) -> _Engine:
+    def _least_loaded(self, prefill: bool) -> EngineHandle:
         alive = [e for e in self.engines if e.alive and e.place.is_prefill == prefill]
         if not alive:
             raise EngineDeadError(self.health_message)
         return min(alive, key=lambda e: e.load)
 
-    def _send(self, engine: _Engine, message) -> None:
+    def _send(self, engine: EngineHandle, message) -> None:
         if not engine.alive:
             return
         with contextlib.suppress(OSError):  # it died; its sentinel will say so
@@ -283,7 +230,7 @@ class PDRouter:
             self.transfers[flight.request_id] = flight.transfer
 
     # ---- messages from the engines (on the event loop) -----------------------------------
-    def _on_message(self, engine: _Engine, m) -> None:
+    def _on_message(self, engine: EngineHandle, m) -> None:
         if isinstance(m, msg.Status):
             engine.status = m
             self._refresh_snapshot()
@@ -324,7 +271,7 @@ class PDRouter:
             if out.finished:
                 self._end(flight)
 
-    def _on_death(self, engine: _Engine) -> None:
+    def _on_death(self, engine: EngineHandle) -> None:
         if not engine.alive:
             return
         engine.alive = False
@@ -365,7 +312,7 @@ class PDRouter:
     def _read(self) -> None:
         """Hand every message, then the death of each engine, to the event loop (until the
         loop closes)."""
-        watched = {e.conn: e for e in self.engines} | {e.process.sentinel: e for e in self.engines}
+        watched = {w: e for e in self.engines for w in e.waitables()}
         try:
             while watched:
                 for ready in wait(list(watched), timeout=0.5):
@@ -382,6 +329,8 @@ class PDRouter:
                 hand(self._on_message, engine, engine.conn.recv())
             except (EOFError, OSError):
                 del watched[ready]
+                if engine.process is None:  # a remote engine: its connection closing is its end
+                    hand(self._on_death, engine)
             return
         with contextlib.suppress(EOFError, OSError):  # the process ended: its last messages first
             while engine.conn.poll():
@@ -389,20 +338,3 @@ class PDRouter:
         watched.pop(engine.conn, None)
         del watched[ready]
         hand(self._on_death, engine)
-
-    def _join_all(self) -> None:
-        for e in self.engines:
-            e.process.join(STOP_TIMEOUT_S)
-        self._kill_all()
-
-    def _kill_all(self) -> None:
-        for e in self.engines:
-            if e.process.is_alive():
-                e.process.kill()
-                e.process.join()
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]

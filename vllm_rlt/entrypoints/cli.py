@@ -10,7 +10,14 @@ from __future__ import annotations
 import sys
 
 import vllm_rlt
-from vllm_rlt.entrypoints import bench_cmd, cli_args, generate_cmd, inspect_cmd, serve_cmd
+from vllm_rlt.entrypoints import (
+    bench_cmd,
+    cli_args,
+    generate_cmd,
+    inspect_cmd,
+    pd_engine_cmd,
+    serve_cmd,
+)
 
 
 def build_parser() -> cli_args.CLIParser:
@@ -19,7 +26,7 @@ def build_parser() -> cli_args.CLIParser:
     )
     parser.add_argument("--version", action="version", version=f"vllm-rlt {vllm_rlt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (serve_cmd, generate_cmd, inspect_cmd, bench_cmd):
+    for command in (serve_cmd, generate_cmd, inspect_cmd, bench_cmd, pd_engine_cmd):
         command.add_parser(sub)
     return parser
 
