@@ -101,3 +101,16 @@ def test_pd_equals_single_engine(model_dir, mode, device):
     for job in [j for j in jobs if len(j.prompt) > 2 * chunk]:
         t = router.transfers[job.req_id]
         assert t["first_chunk_at"] < t["prefill_done_at"], job.req_id
+    # /metrics' transfer counters: every prompt block not in the decode cache, every plane
+    kv = single.runner.kv_cache.kv  # [L, 2, blocks, block_size, Hkv, d]
+    position_bytes = kv[:, :, 0, 0].numel() * kv.element_size()
+    prompts = {j.req_id: len(j.prompt) for j in jobs} | {
+        f"{longest.req_id}-again": len(longest.prompt)
+    }
+    sent_blocks = sum(-(-n // 4) - router.transfers[r]["skip_blocks"] for r, n in prompts.items())
+    stats, planes = router.snapshot.stats, single.kv_manager.num_planes
+    assert stats["pd_transfers"] == len(prompts)
+    assert stats["pd_kv_transfer_bytes"] == sent_blocks * planes * 4 * position_bytes
+    assert stats["pd_kv_transfer_skipped_blocks"] == skipped
+    overlap = [t["prefill_done_at"] - t["first_chunk_at"] for t in router.transfers.values()]
+    assert stats["pd_transfer_overlap_seconds"] == pytest.approx(sum(max(0, o) for o in overlap))

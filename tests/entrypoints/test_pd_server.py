@@ -143,6 +143,10 @@ def test_2p2d_streams_then_a_decode_and_a_prefill_engine_die(model_dir, tmp_path
         got = run(work, leave=leave)
         assert got == [None if i in leave else w for i, w in enumerate(want)]
         wait_free(srv.url)
+        m = read_metrics(srv.url)  # every request's KV moved (the clients that left had a token)
+        assert m["vllm_rlt:pd_transfers_total"] == len(work)
+        assert m["vllm_rlt:pd_kv_transfer_chunks_total"] >= len(work)
+        assert m["vllm_rlt:pd_kv_transfer_bytes_total"] > 0
 
         victim = engine_pids(srv.log(), "decode")[1]
         check_partial(run(long_work, lambda: os.kill(victim, signal.SIGKILL)), want_long)

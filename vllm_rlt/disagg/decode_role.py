@@ -31,6 +31,8 @@ class _Import:
     complete: bool = False  # the last chunk arrived
     first: SampledToken | None = None  # the first token, relayed from the prefill engine
     first_chunk_at: float | None = None
+    num_chunks: int = 0  # KV chunks received
+    num_bytes: int = 0  # their payloads' bytes
 
 
 class DecodeRole(_Role):
@@ -97,6 +99,9 @@ class DecodeRole(_Role):
                 self.receiver.write(chunk, planes)
             if imp.first_chunk_at is None:
                 imp.first_chunk_at = chunk.arrived_at
+            imp.num_chunks += 1
+            if chunk.payload is not None:
+                imp.num_bytes += chunk.payload.numel() * chunk.payload.element_size()
             imp.complete |= chunk.last
         self._start()
 
@@ -132,7 +137,7 @@ class DecodeRole(_Role):
             if len(sched.running) >= sched.config.max_num_seqs:
                 return
             del self.imports[handle]
-            self.conn.send(msg.Imported(handle, imp.first_chunk_at))
+            self.conn.send(msg.Imported(handle, imp.first_chunk_at, imp.num_chunks, imp.num_bytes))
             self.active[imp.req.request_id] = handle
             self.after_step(self.engine.import_prefilled(imp.req, imp.first))
 

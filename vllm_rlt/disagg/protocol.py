@@ -85,6 +85,8 @@ class Imported:
 
     handle: int
     first_chunk_at: float  # time.monotonic() (one clock for every process of the host)
+    num_chunks: int  # KV chunks received for it
+    num_bytes: int  # their KV payloads' bytes
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,15 @@ from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.serve_config import DisaggConfig
 
 logger = logging.getLogger(__name__)
+PD_COUNTERS = {  # the transfer counters of `snapshot.stats`, each a /metrics counter
+    "pd_transfers": "Requests whose KV the decode engines imported.",
+    "pd_kv_transfer_chunks": "KV chunks received by the decode engines.",
+    "pd_kv_transfer_bytes": "KV bytes received by the decode engines.",
+    "pd_kv_transfer_skipped_blocks": "Prompt KV blocks not sent: the decode engine's prefix "
+    "cache held them.",
+    "pd_transfer_overlap_seconds": "Summed over requests: how long before the end of the "
+    "prompt's prefill its first KV chunk reached the decode engine.",
+}
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,8 @@ class PDRouter:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.error: BaseException | None = None
-        self.snapshot = EngineSnapshot()
+        self._transfer_stats = dict.fromkeys(PD_COUNTERS, 0)
+        self.snapshot = EngineSnapshot(stats=dict(self._transfer_stats))
 
     # ---- the AsyncLLMEngine interface -----------------------------------------------------
     @property
@@ -261,6 +271,7 @@ class PDRouter:
             self._send(flight.decode, m)
         elif isinstance(m, msg.Imported):
             flight.transfer["first_chunk_at"] = m.first_chunk_at
+            self._count_transfer(flight.transfer, m)
 
     def _on_outputs(self, m: msg.Outputs) -> None:
         for handle, out in m.items:
@@ -296,6 +307,18 @@ class PDRouter:
         for flight in list(self._flights.values()):
             self._end(flight, notify=True, error=error)
 
+    def _count_transfer(self, transfer: dict[str, float], m: msg.Imported) -> None:
+        """Add an imported request's transfer to the counters `/metrics` reports (the overlap:
+        how long before the end of its prefill its first KV chunk arrived; one clock per host)."""
+        t = self._transfer_stats
+        t["pd_transfers"] += 1
+        t["pd_kv_transfer_chunks"] += m.num_chunks
+        t["pd_kv_transfer_bytes"] += m.num_bytes
+        t["pd_kv_transfer_skipped_blocks"] += transfer.get("skip_blocks", 0)
+        overlap = transfer.get("prefill_done_at", m.first_chunk_at) - m.first_chunk_at
+        t["pd_transfer_overlap_seconds"] += max(0.0, overlap)
+        self._refresh_snapshot()
+
     def _refresh_snapshot(self) -> None:
         live = [e.status for e in self.engines if e.alive and e.status is not None]
         free = sum(s.num_free_blocks for s in live)
@@ -306,6 +329,7 @@ class PDRouter:
             kv_usage=1.0 - free / total if total else 0.0,
             num_free_blocks=free,
             num_total_blocks=total,
+            stats=dict(self._transfer_stats),
         )
 
     # ---- the reader thread and the processes ---------------------------------------------

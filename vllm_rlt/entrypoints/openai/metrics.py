@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from vllm_rlt.disagg.router import PD_COUNTERS
 from vllm_rlt.engine.async_engine import AsyncLLMEngine, EngineStoppedError
 from vllm_rlt.outputs import RequestOutput
 
@@ -128,6 +129,9 @@ class _EngineCollector:
             ("loops_per_token", "Mean loops (exit depth) per generated token."),
         ]:
             yield one(g, f"vllm_rlt:{key}", help, stats.get(key, 0.0))
+        for key, help in PD_COUNTERS.items():  # a disaggregated server's transfers
+            if key in stats:
+                yield one(c, f"vllm_rlt:{key}", help, stats[key])
 
 
 class ServerMetrics:
