@@ -35,19 +35,31 @@ from vllm_rlt.worker.invocation_timer import invocation_kind, invocation_shape
 DEPTH = 4  # Ouro-1.4B's loops
 
 
-def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = False) -> dict:
+def make_scheduler(mode: str, args, **settings) -> Scheduler:
+    """A scheduler with the matrix's settings of `mode` (`args`: max_num_seqs,
+    max_num_batched_tokens, chunk, wcpb_cap), `settings` over them, and a KV cache that never
+    preempts; fixed depth."""
     config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.chunk,
-        **mode_settings(mode, args.wcpb_cap),
+        **{**mode_settings(mode, args.wcpb_cap), **settings},
     )
     kv = KVCacheManager(1 << 20, 16, "last_exited", DEPTH)
-    sched = Scheduler(config, kv, make_exit_policy("ouro", None), DEPTH)
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    return Scheduler(config, kv, make_exit_policy("ouro", None), DEPTH)
+
+
+def make_request(req_id: str, prompt_len: int, output_len: int) -> Request:
+    """A request of `prompt_len` dummy tokens that generates `output_len` tokens at fixed depth."""
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    return Request(req_id, [1] * prompt_len, params, ExitSettings(1, DEPTH, 1.0), seed=0)
+
+
+def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = False) -> dict:
+    sched = make_scheduler(mode, args)
+    kv = sched.kv
     for i, n in enumerate(prompt_lens):
-        exits = ExitSettings(1, DEPTH, 1.0)
-        sched.add_request(Request(f"r{i}", [1] * n, params, exits, seed=0))
+        sched.add_request(make_request(f"r{i}", n, args.output_len))
     tile_rows = tile_rows_for(sched.planner.task_rows)  # the engine's
     specs = graph_specs(
         args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments, tile_rows

@@ -19,7 +19,9 @@ and context too); they are kept out of the other medians
 `--modes` picks the modes (default Atomic, Split, WCPB, each with the engine's defaults: WCPB's
 cap on prefill rows beside decode rows is half the budget); `wcpb-cap` adds WCPB whose
 invocations with decode rows take at most `--wcpb-cap` prefill rows
-(`max_prefill_rows_with_decode`; the budget turns the cap off); `unchunked` is refill
+(`max_prefill_rows_with_decode`; the budget turns the cap off); `wcpb-ride` adds WCPB whose
+decode tokens ride at most 512 prefill rows each while a seat is free
+(`max_prefill_rows_per_decode_token`); `unchunked` is refill
 scheduling with one chunk = the budget. `--profiles` and `--inputs` pick the cells; the
 long-prompt mix (docs/benchmarks/long-prompts.md):
 
@@ -54,18 +56,23 @@ from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.worker.invocation_timer import InvocationTimer
 
+WCPB = {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True}
 MODES = {
     "atomic": {"scheduling_mode": "refill"},
     # the long-prompt mix's baseline: refill scheduling, one chunk = the whole budget
     "unchunked": {"scheduling_mode": "refill"},
     "split": {"scheduling_mode": "mixed"},
-    "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
-    # an experiment beside the matrix's three modes: WCPB whose invocations with decode rows take
-    # at most --wcpb-cap prefill rows instead of its default, half the budget (the ITL tail,
-    # docs/benchmarks/wcpb-matrix.md §4)
-    "wcpb-cap": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
+    "wcpb": WCPB,
+    # experiments beside the matrix's three modes (the ITL tail): WCPB whose invocations with
+    # decode rows take at most --wcpb-cap prefill rows instead of its default, half the budget
+    # (docs/benchmarks/wcpb-matrix.md §4); WCPB whose decode tokens ride at most 512 prefill
+    # rows over their loops while a seat is free (docs/benchmarks/wcpb-matrix.md §3)
+    "wcpb-cap": WCPB,
+    "wcpb-ride": {**WCPB, "max_prefill_rows_per_decode_token": 512},
 }
 DEFAULT_MODES = ("atomic", "split", "wcpb")
+# modes compared with Split (and unchunked), with their titles
+WAVEFRONT_MODES = {"wcpb": "WCPB", "wcpb-cap": "WCPB with the cap", "wcpb-ride": "WCPB, ride limit"}
 
 
 def mode_settings(mode: str, wcpb_cap: int) -> dict:
@@ -229,7 +236,7 @@ def summarize_matrix(runs: list[dict]) -> list[dict]:
             cell["modes"][mode] = stats | {"repeats": len(timed)}
         m = cell["modes"]
         med = {mode: {k: v["median"] for k, v in m[mode].items() if k != "repeats"} for mode in m}
-        for mode in ("wcpb", "wcpb-cap"):
+        for mode in WAVEFRONT_MODES:
             if "split" in m and mode in m:
                 cell[f"{mode}_over_split"] = _ratios(med[mode], med["split"])
             if "unchunked" in m and mode in m:  # the long-prompt mix's targets
@@ -268,7 +275,7 @@ def markdown(cells_summary: list[dict], calls: list[dict]) -> str:
         for mode, vals in cell["modes"].items():
             cols = [_spread_text(vals.get(name)) for name in names]
             lines.append(f"| {mode} | {vals['repeats']} | " + " | ".join(cols) + " |")
-        for mode, title in (("wcpb", "WCPB"), ("wcpb-cap", "WCPB with the cap")):
+        for mode, title in WAVEFRONT_MODES.items():
             for base, base_title in (("split", "Split"), ("unchunked", "unchunked")):
                 if f"{mode}_over_{base}" in cell:
                     ratios = cell[f"{mode}_over_{base}"].items()

@@ -197,6 +197,12 @@ class SchedulerConfig:
         "decode rows leave)",
         default=None,
     )
+    max_prefill_rows_per_decode_token: int | None = field_help(
+        "latency rule: a decode token rides at most this many prefill rows summed over the "
+        "invocations of its loops; its other loops run in decode-only invocations, so fewer, "
+        "shorter gaps between tokens wait for prefill (default: no limit)",
+        default=None,
+    )
     max_context_with_decode: int = field_help(
         "decode rows share invocations with prefill rows only while no prompt in prefill is "
         "longer than this and no decoding request is past this position; otherwise decode "
@@ -223,6 +229,8 @@ class SchedulerConfig:
         check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
         cap = self.max_prefill_rows_with_decode
         check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
+        ride = self.max_prefill_rows_per_decode_token
+        check(ride is None or ride >= 1, "max_prefill_rows_per_decode_token", ride, ">= 1")
         apart = self.max_context_with_decode
         check(apart >= 0, "max_context_with_decode", apart, ">= 0")
 

@@ -39,6 +39,7 @@ class DecodeToken:
     loops_done: int = 0  # loops completed so far
     remaining: float = 1.0  # probability mass not yet exited, prod(1 - sigmoid(gate))
     exit_at: int | None = None  # delayed policies: the loop count at which to exit
+    prefill_rows_ridden: int = 0  # prefill rows of the invocations it ran in so far
 
 
 @dataclass

@@ -208,6 +208,32 @@ def test_only_wcpb_caps_prefill_rows_beside_decode_rows_by_default():
     assert explicit.prefill_rows_with_decode == 1024  # a user's value wins
 
 
+@pytest.mark.parametrize(("seats", "most"), [(3, 8), (2, D * 8)])
+def test_decode_token_rides_few_prefill_rows_while_the_engine_has_a_free_seat(seats, most):
+    """`max_prefill_rows_per_decode_token`: the prefill rows a decode token rides, summed over
+    its D loops, stay within the limit (its other loops run decode-only invocations, prefill
+    waiting) while the engine holds fewer requests than seats; with every seat taken only the
+    per-invocation cap (half the budget) holds."""
+    s = scheduler(
+        max_num_seqs=seats, max_num_batched_tokens=16, prefill_chunk_size=4,
+        wavefront_chunked_prefill=True, max_prefill_rows_per_decode_token=8,
+    )  # fmt: skip
+    s.add_request(request("a", 2, max_tokens=12))
+    step(s)
+    s.add_request(request("b", 60, max_tokens=2))
+    ridden, rows, decode_only = [], 0, 0
+    while s.has_unfinished():
+        batch = step(s)
+        if "a" in batch.sample_req_ids:  # sampled before the step's loops: a new token
+            ridden, rows = [*ridden, rows], 0
+        if any(t.request_id == "a" and t.kind is RowKind.DECODE for t in batch.requests):
+            prefill = sum(t.num_tokens for t in batch.requests if t.kind is RowKind.PREFILL)
+            rows += prefill * batch.loop_count
+            decode_only += not prefill and any(r.in_prefill for r in s.running)
+    assert max(ridden) == most  # reached, never passed
+    assert bool(decode_only) is (seats == 3)  # b's prefill waited for a's decode-only loops
+
+
 def _out_of_phase(second: Request, a_tokens: int = 12) -> Scheduler:
     """WCPB with 2-token chunks: "a" decodes; `second` ("b") finishes its prompt when "a"'s token
     has run 2 of its D loops, and its first token is sampled at once: the two are out of phase."""

@@ -68,12 +68,18 @@ def invariants(eng: LLMEngine):
         assert planner.resident_chunks(req) <= planner.ring_slots
 
 
-def check_modes(model_dir, seed, device="cpu", backend="torch") -> int:
-    jobs, settings = workload(seed)
+def serial(model_dir, jobs: list[Job], device="cpu", backend="torch") -> dict:
+    """The jobs' results generated one request at a time."""
     serial_engine = engine(model_dir, device, backend, max_num_seqs=1)
     want = {}
     for job in jobs:
         want.update(run_batched(serial_engine, [Job(job.req_id, job.prompt, job.params)]))
+    return want
+
+
+def check_modes(model_dir, seed, device="cpu", backend="torch") -> int:
+    jobs, settings = workload(seed)
+    want = serial(model_dir, jobs, device, backend)
     near_ties = 0
     for mode in ("wavefront", "split", "atomic"):
         eng = engine(
@@ -293,10 +299,7 @@ def test_prefill_cap_beside_decode_rows_changes_no_result(model_dir):
     for seed in range(24):
         jobs, settings = workload(seed)
         cap = random.Random(seed).randint(1, 4)
-        serial_engine = engine(model_dir, max_num_seqs=1)
-        want = {}
-        for job in jobs:
-            want.update(run_batched(serial_engine, [Job(job.req_id, job.prompt, job.params)]))
+        want = serial(model_dir, jobs)
         eng = engine(
             model_dir, wavefront_chunked_prefill=True, max_prefill_rows_with_decode=cap, **settings
         )
@@ -305,3 +308,31 @@ def test_prefill_cap_beside_decode_rows_changes_no_result(model_dir):
         assert compare(eng, jobs, got, want, "last_exited") == 0
         assert kv_all_free(eng)
     assert reached  # the cap was reached, not merely never approached
+
+
+def test_ride_limit_changes_no_result(model_dir):
+    """`max_prefill_rows_per_decode_token` only holds prefill rows back for decode-only
+    invocations: WCPB results still equal serial generation."""
+    held = 0  # batches of decode rows alone while a prompt waited in prefill
+    for seed in range(12):
+        jobs, settings = workload(seed)
+        want = serial(model_dir, jobs)
+        limit = random.Random(seed).randint(1, 4)
+        eng = engine(
+            model_dir, wavefront_chunked_prefill=True, max_prefill_rows_per_decode_token=limit,
+            **{**settings, "max_context_with_decode": 2048},
+        )  # fmt: skip
+        schedule = eng.scheduler.schedule
+
+        def counting_schedule(schedule=schedule, sched=eng.scheduler):
+            nonlocal held
+            batch = schedule()
+            kinds = {t.kind for t in batch.requests}
+            held += kinds == {RowKind.DECODE} and any(r.in_prefill for r in sched.running)
+            return batch
+
+        eng.scheduler.schedule = counting_schedule
+        got = run_batched(eng, jobs, check=invariants)
+        assert compare(eng, jobs, got, want, "last_exited") == 0
+        assert kv_all_free(eng)
+    assert held  # the limit held prefill back, not merely never met

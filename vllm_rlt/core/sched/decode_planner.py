@@ -4,6 +4,7 @@ of each open window (`SpecPlanner`)."""
 
 from __future__ import annotations
 
+from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
@@ -60,6 +61,30 @@ class DecodePlanner:
     def fixed_loops(self, decoding: list[Request]) -> bool:
         """Whether every token of `decoding` runs a fixed number of loops (reads no gate)."""
         return all(self.exit_policy.fixed_loops(r.exit) is not None for r in decoding)
+
+    @staticmethod
+    def prefill_rows_beside(tasks, requests: dict, config: SchedulerConfig) -> int | None:
+        """The most prefill rows an invocation with the decode rows `tasks` takes (None: no
+        limit): `prefill_rows_with_decode`, and, while the engine holds fewer requests (running
+        and waiting) than `max_num_seqs`, what the most ridden decode token among them has left
+        of `max_prefill_rows_per_decode_token`. With every seat wanted, throughput comes first:
+        a prefill held back keeps its seat from decoding."""
+        cap, per_token = config.prefill_rows_with_decode, config.max_prefill_rows_per_decode_token
+        if not tasks or per_token is None or len(requests) >= config.max_num_seqs:
+            return cap if tasks else None
+        tokens = [requests[t.request_id].decode for t in tasks]
+        ridden = [tok.prefill_rows_ridden for tok in tokens if tok is not None]
+        left = max(0, per_token - max(ridden, default=0))
+        return left if cap is None else min(cap, left)
+
+    @staticmethod
+    def record_ride(tasks, requests: dict, loops: int) -> None:
+        """The decode tokens of the planned `tasks` ride its prefill rows for `loops` loops."""
+        prefill = sum(t.num_tokens for t in tasks if t.kind is RowKind.PREFILL)
+        for t in tasks:
+            tok = requests[t.request_id].decode if t.kind is RowKind.DECODE else None
+            if tok is not None:
+                tok.prefill_rows_ridden += prefill * loops
 
     def plan(self, running: list[Request], budget: int) -> tuple[list[ScheduledRequest], list[str]]:
         """One row per decoding request (the newest token at its next depth), and the requests

@@ -3,7 +3,8 @@
 Invariant of `schedule()`: every row of the plan's first invocation counts against
 `max_num_batched_tokens`; decode rows come before prefill tasks, and a batch with decode rows
 takes at most `prefill_rows_with_decode` prefill rows (a latency rule: decode rows wait for every
-row of their invocation; WCPB's default: half the budget).
+row of their invocation; WCPB's default: half the budget), nor, opt-in, more than its decode
+tokens have left of `max_prefill_rows_per_decode_token` (`DecodePlanner.prefill_rows_beside`).
 
 KV (`_place`): the plan is made first, then the blocks it writes are allocated, plane by plane
 (each task's positions in the planes of the depths it runs, each exited token's skipped planes).
@@ -146,12 +147,11 @@ class Scheduler:
             self._prefill_turn = False
             decode_tasks, samples = self.decode.plan(self.running, budget)
             prefill_budget = budget - sum(t.num_tokens for t in decode_tasks)
-            cap = self.config.prefill_rows_with_decode
-            if decode_tasks and cap is not None:
-                prefill_budget = min(prefill_budget, cap)
-            tasks, loops = self._place(
-                decode_tasks, self._plan_prefill(prefill_budget), samples, admitted
-            )
+            cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
+            prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
+            prefill_tasks = self._plan_prefill(prefill_budget)
+            tasks, loops = self._place(decode_tasks, prefill_tasks, samples, admitted)
+            self.decode.record_ride(tasks, self.requests, loops)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
