@@ -15,25 +15,9 @@ as an ordinary staged prefill in which each output position runs the loops it ra
 (`Request.position_loops`), so its KV, and everything it generates next, is what it would have
 been. A request admitted in this step that does not fit goes back unannounced.
 
-`loop_count` rules (docs/design/scheduler.md §2), each applied in `_loop_count`:
-  R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
-      unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
-      gate: then it runs until the first row's exit decision is due (fixed depth: through the
-      remaining depths), the same invocations with no scheduling decision between them;
-  R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
-  R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
-      (its planes must be written first): one loop;
-  R4. latency rule `max_prefill_stall_loops`: a batch runs at most that many loops, so new
-      arrivals are admitted within that many loops;
-  R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
-  R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
-  R7. decode apart from long prefill (`DecodePlanner.apart`): while a prompt in prefill or a
-      decoding position is past `max_context_with_decode` (always, for a model that needs
-      atomic prefill), decode-only steps, which run to the first exit decision (R1 even with
-      prompts in prefill), and prefill-only batches of the whole budget (R2-R6) take turns.
-Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
-rows; for R1 a window's rows decide when their draft or verify loops are done.
-Merely having waiting requests, or possible preemptions, does not split a batch.
+How many loops a batch runs (`ExecutionBatch.loop_count`) is decided by rules R1-R7
+(`LoopRules`, loop_rules.py); R7 (decode apart from long prefill) also shapes the plan here
+(`_take_turn`).
 """
 
 from __future__ import annotations
@@ -55,6 +39,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.kv_demand import kv_demand
+from vllm_rlt.core.sched.loop_rules import LoopRules
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
@@ -84,6 +69,7 @@ class Scheduler:
         if speculative is not None and speculative.num_speculative_tokens:
             self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
         self.decode = DecodePlanner(config.scheduling_mode, exit_policy, self.spec)
+        self.loop_rules = LoopRules(config, self.planner, self.decode, num_loops)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -309,31 +295,15 @@ class Scheduler:
             return self._place(decode_tasks, [], samples, admitted)
         return self._place([], self._plan_prefill(budget), samples, admitted)
 
+    def _loop_count(self, decode_tasks, prefill_tasks) -> int:
+        return self.loop_rules.count(
+            decode_tasks, prefill_tasks, self.requests, self.running, self._apart_now
+        )
+
     def _plan_prefill(self, budget: int) -> list[ScheduledRequest]:
         if budget <= 0:
             return []
         return self.planner.plan([r for r in self.running if r.in_prefill], budget)
-
-    def _loop_count(self, decode_tasks, prefill_tasks) -> int:
-        if decode_tasks:  # R1
-            loops = self._decode_loops(decode_tasks, prefill_tasks)
-        elif not prefill_tasks or self.planner.single_loop:  # R5: wavefront regroups tasks
-            return 1
-        else:
-            loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
-        if self.config.max_prefill_stall_loops is not None:  # R4
-            loops = min(loops, self.config.max_prefill_stall_loops)
-        for req_id, tasks in by_request(prefill_tasks).items():
-            req = self.requests[req_id]
-            if not self.planner.atomic_loops(req, tasks, loops):  # R3
-                return 1
-            loops = min([loops] + [self.planner.loops_to_exit(req, t) for t in tasks])  # R6
-        return loops
-
-    def _decode_loops(self, decode_tasks, prefill_tasks) -> int:
-        if prefill_tasks or not self._apart_now and any(r.in_prefill for r in self.running):
-            return 1
-        return min(self.decode.loops_to_decision(self.requests[t.request_id]) for t in decode_tasks)
 
     # ---- update -----------------------------------------------------------------------------
     def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:

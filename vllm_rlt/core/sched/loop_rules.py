@@ -1,0 +1,67 @@
+"""How many loops a planned batch runs before the scheduler decides again
+(`ExecutionBatch.loop_count`; docs/design/scheduler.md §2). Each rule is applied in
+`LoopRules.count`:
+
+  R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
+      unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
+      gate: then it runs until the first row's exit decision is due (fixed depth: through the
+      remaining depths), the same invocations with no scheduling decision between them;
+  R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
+  R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
+      (its planes must be written first): one loop;
+  R4. latency rule `max_prefill_stall_loops`: a batch runs at most that many loops, so new
+      arrivals are admitted within that many loops;
+  R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
+  R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
+  R7. decode apart from long prefill (`DecodePlanner.apart`, planned by the scheduler's
+      `_take_turn`): while a prompt in prefill or a decoding position is past
+      `max_context_with_decode` (always, for a model that needs atomic prefill), decode-only
+      steps, which run to the first exit decision (R1 even with prompts in prefill), and
+      prefill-only batches of the whole budget (R2-R6) take turns.
+
+Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
+rows; for R1 a window's rows decide when their draft or verify loops are done.
+Merely having waiting requests, or possible preemptions, does not split a batch.
+"""
+
+from __future__ import annotations
+
+from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.core.sched.decode_planner import DecodePlanner
+from vllm_rlt.core.sched.execution_batch import ScheduledRequest, by_request
+from vllm_rlt.request import Request
+
+
+class LoopRules:
+    def __init__(self, config: SchedulerConfig, planner, decode: DecodePlanner, num_loops: int):
+        """`planner`: the prefill planner (prefill_planner.py)."""
+        self.config = config
+        self.planner = planner
+        self.decode = decode
+        self.num_loops = num_loops
+
+    def count(
+        self,
+        decode_tasks: list[ScheduledRequest],
+        prefill_tasks: list[ScheduledRequest],
+        requests: dict[str, Request],
+        running: list[Request],
+        apart: bool,
+    ) -> int:
+        """The loop count of a batch of these tasks (`apart`: R7 holds in this step)."""
+        if decode_tasks:  # R1
+            if prefill_tasks or not apart and any(r.in_prefill for r in running):
+                return 1
+            loops = min(self.decode.loops_to_decision(requests[t.request_id]) for t in decode_tasks)
+        elif not prefill_tasks or self.planner.single_loop:  # R5: wavefront regroups tasks
+            return 1
+        else:
+            loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
+        if self.config.max_prefill_stall_loops is not None:  # R4
+            loops = min(loops, self.config.max_prefill_stall_loops)
+        for req_id, tasks in by_request(prefill_tasks).items():
+            req = requests[req_id]
+            if not self.planner.atomic_loops(req, tasks, loops):  # R3
+                return 1
+            loops = min([loops] + [self.planner.loops_to_exit(req, t) for t in tasks])  # R6
+        return loops
