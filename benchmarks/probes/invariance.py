@@ -50,7 +50,7 @@ class StateRecorder:
                 row = 0
                 for t in live:
                     for j in range(t.num_tokens):
-                        self.states[(t.request_id, t.token_start + j, t.depth + i)] = out[row + j]
+                        self.states[(t.request_id, t.token_start + j, t.depth)] = out[row + j]
                     row += t.num_tokens
                 return out, gate
 

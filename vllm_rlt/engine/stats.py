@@ -40,7 +40,7 @@ class EngineStats:
                 break
             prefill = sum(t.num_tokens for t in live if t.kind is RowKind.PREFILL)
             for t in live:
-                self.depth_rows[t.depth + i] += t.num_tokens
+                self.depth_rows[t.depth] += t.num_tokens
                 if self.trace is not None:
                     self.trace.append(
                         TraceRecord(
@@ -49,7 +49,7 @@ class EngineStats:
                             t.kind.value,
                             t.token_start,
                             t.num_tokens,
-                            t.depth + i,
+                            t.depth,
                         )
                     )
             self.invocations += 1
