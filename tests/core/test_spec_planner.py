@@ -61,7 +61,7 @@ def test_a_window_step_by_step(d):
     assert batch.sample_req_ids == ("a",) and batch.loop_count == 3 * d
     assert rows == [(RowKind.SPEC, 6, 1, 0)] and batch.requests[0].draft_loops == d
     assert batch.drafts == (DraftSample("a", 1, 1, d), DraftSample("a", 2, 2, 2 * d))
-    assert [(t.token_start, t.depth) for t in batch.live(3 * d - 1, D)] == [(8, d - 1)]
+    assert [(t.token_start, depth) for t, depth in batch.live(3 * d - 1, D)] == [(8, d - 1)]
     # its KV: positions 6-8 in the draft planes, position 6 in the verify planes (the first
     # window's position was allocated at admission): 3 blocks of 4 positions, 2 past the draft
     assert [len(s.kv.block_table("a", p)) for p in range(D)] == [3] * d + [2] * (D - d)

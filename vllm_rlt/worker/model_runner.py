@@ -215,19 +215,19 @@ class ModelRunner:
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
         finish_rows, finish_segs = [], []  # prompt rows past their last loop: their coda
         row = 0
-        for t in live:
+        for t, depth in live:
             m = self.reqs[t.request_id]
             starts.append(t.token_start)
             counts.append(t.num_tokens)
-            tables.append(m.block_tables[t.depth if self.num_planes > 1 else 0])
+            tables.append(m.block_tables[depth if self.num_planes > 1 else 0])
             rows.append(self._rows(t.state_span(), m))
             end = t.token_start + t.num_tokens
             prefill = t.kind is RowKind.PREFILL
-            if t.depth == 0 and prefill:
+            if depth == 0 and prefill:
                 prompt_rows.extend(range(row, row + t.num_tokens))
                 prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
                 prompt_segs.append(m.segment(t.token_start, t.num_tokens))
-            elif t.depth == 0:
+            elif depth == 0:
                 offset = t.prefill_hidden_row_offset or 0
                 decode_rows.extend(range(row, row + t.num_tokens))
                 decode_slots.extend([m.slot] * t.num_tokens)
@@ -236,10 +236,10 @@ class ModelRunner:
             if not prefill:
                 m.position = end - 1
             elif self.edges.finishes:  # (per-row lists only for a model with coda blocks)
-                for offset, n in self._finishing(m, t.token_start, t.num_tokens, t.depth):
+                for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
                     finish_rows.extend(range(row + offset, row + offset + n))
                     finish_segs.append(m.segment(t.token_start + offset, n))
-            if prefill and t.depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
+            if prefill and depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
                 done_src.append(row + t.num_tokens - 1)
                 done_dst.append(self.states.decode_row(m.slot))
                 m.position = end - 1
@@ -286,12 +286,12 @@ class ModelRunner:
         a `timer` is attached."""
         if self.timer is None:
             return contextlib.nullcontext()
-        decode = [t for t in live if t.kind is not RowKind.PREFILL]  # window rows are decode
+        decode = [t for t, _ in live if t.kind is not RowKind.PREFILL]  # window rows: decode
         decode_rows = sum(t.num_tokens for t in decode)
         bucket = None if static is None else static.spec.num_rows
         if not self.timer.by_context:
             return self.timer.time(invocation_shape(decode_rows, rows, bucket))
-        ends = [t.token_start + t.num_tokens for t in live if t.kind is RowKind.PREFILL]
+        ends = [t.token_start + t.num_tokens for t, _ in live if t.kind is RowKind.PREFILL]
         prefill_end = max(ends, default=0)
         position = max((t.token_start for t in decode), default=0)
         return self.timer.time(detailed_shape(decode_rows, rows, bucket, prefill_end, position))

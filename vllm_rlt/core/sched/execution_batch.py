@@ -5,7 +5,7 @@ then `loop_count` recurrent-core invocations over `requests`, each after the dra
 speculative windows (`drafts`) due before it, then the acceptance of the windows verified
 (`verifies`). Each invocation advances every live row one depth; a prefill task's rows drop out
 after depth D-1, and a drafting window's row moves to the window's next position at depth 0
-after each position's draft loops (`ScheduledRequest.at`). Decode and window rows run every
+after each position's draft loops (`ExecutionBatch.live`). Decode and window rows run every
 invocation of their batch: the scheduler gives a batch with such rows more than one loop only
 when none of them reaches a decision before the last.
 """
@@ -45,15 +45,10 @@ class ScheduledRequest:
     draft_loops: int = 0
 
     def at(self, invocation: int) -> ScheduledRequest:
-        """The task as it runs in invocation `invocation` (0-based) of its batch: `invocation`
-        depths further; a drafting row `(depth + invocation) // draft_loops` positions (and
-        ring rows) further, at depth `(depth + invocation) % draft_loops`."""
-        if not invocation:
-            return self
-        loops = self.depth + invocation
-        if not self.draft_loops:
-            return replace(self, depth=loops)
-        moved, depth = divmod(loops, self.draft_loops)
+        """A drafting row as it runs in invocation `invocation` (0-based) of its batch:
+        `(depth + invocation) // draft_loops` positions (and ring rows) further, at depth
+        `(depth + invocation) % draft_loops`."""
+        moved, depth = divmod(self.depth + invocation, self.draft_loops)
         return replace(
             self,
             token_start=self.token_start + moved,
@@ -162,12 +157,19 @@ class ExecutionBatch:
     def num_rows(self) -> int:
         return sum(r.num_tokens for r in self.requests)
 
-    def live(self, invocation: int, num_loops: int) -> tuple[ScheduledRequest, ...]:
-        """The tasks with rows in invocation `invocation` (0-based) of a depth-`num_loops`
-        model, as they run there (`ScheduledRequest.at`): every task until its final depth
-        (decode rows never get that far in one batch)."""
-        tasks = (t.at(invocation) for t in self.requests)
-        return tuple(t for t in tasks if t.depth < num_loops)
+    def live(self, invocation: int, num_loops: int) -> tuple[tuple[ScheduledRequest, int], ...]:
+        """(task, depth) of the tasks with rows in invocation `invocation` (0-based) of a
+        depth-`num_loops` model: every task at `depth + invocation` until its final depth
+        (decode rows never get that far in one batch); a drafting row moved on to the position
+        it runs there (`ScheduledRequest.at`)."""
+        rows = []
+        for t in self.requests:
+            if t.draft_loops:
+                t = t.at(invocation)
+                rows.append((t, t.depth))
+            elif t.depth + invocation < num_loops:
+                rows.append((t, t.depth + invocation))
+        return tuple(rows)
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,13 @@ def kv_demand(
             need[key] = max(need.get(key, 0), end)
 
     for t in tasks:
-        for row in map(t.at, range(loops)):
-            if row.depth == num_loops:  # (a prefill task's final depth is done)
-                break
-            write(t.request_id, kv.planes_written(row.depth), row.token_start + row.num_tokens)
+        if t.draft_loops:  # a drafting row moves on: each position in its draft planes
+            for row in map(t.at, range(loops)):
+                write(t.request_id, kv.planes_written(row.depth), row.token_start + row.num_tokens)
+            continue
+        depths = range(t.depth, min(num_loops, t.depth + loops))
+        planes = (p for d in depths for p in kv.planes_written(d))
+        write(t.request_id, planes, t.token_start + t.num_tokens)
     for req_id, pos, depth in exits:
         write(req_id, range(depth + 1, kv.num_loop_planes), pos + 1)
     return need

@@ -140,7 +140,7 @@ class SpecPlanner:
             w = requests[t.request_id].spec
             if w.verifying and t.depth + loops == self.num_loops:
                 verifies.append(VerifySample(t.request_id, w.num_drafts, w.index + 1))
-            for i in range(0 if w.verifying else loops):
+            for i in range(loops if t.draft_loops else 0):
                 row = t.at(i)
                 offset = row.prefill_hidden_row_offset
                 if row.depth == 0 and offset:
