@@ -76,8 +76,8 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
             live = batch.live(i, DEPTH)
             if not live:
                 break
-            rows = [t.num_tokens for t in live]
-            decode = sum(t.kind is RowKind.DECODE for t in live)
+            rows = [t.num_tokens for t, _ in live]
+            decode = sum(t.kind is RowKind.DECODE for t, _ in live)
             # None: no graph holds its tiles, it runs eagerly
             spec = select_spec(specs, rows, tile_rows)
             bucket = None if spec is None else spec.num_rows

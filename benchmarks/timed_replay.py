@@ -86,7 +86,7 @@ def simulate(mode: str, workload, args, settings: dict) -> dict:
         start = max(dev_end, host + step_s)
         ms = SAMPLE_MS if batch.sample_req_ids else 0.0
         for i in range(batch.loop_count):
-            live = batch.live(i, DEPTH)
+            live = [t for t, _ in batch.live(i, DEPTH)]
             if not live:
                 break
             decode = [t.request_id for t in live if t.kind is RowKind.DECODE]

@@ -48,9 +48,9 @@ class StateRecorder:
             def recording_core(hidden, meta, kv):
                 out, gate = core(hidden, meta, kv)
                 row = 0
-                for t in live:
+                for t, depth in live:
                     for j in range(t.num_tokens):
-                        self.states[(t.request_id, t.token_start + j, t.depth + i)] = out[row + j]
+                        self.states[(t.request_id, t.token_start + j, depth)] = out[row + j]
                     row += t.num_tokens
                 return out, gate
 

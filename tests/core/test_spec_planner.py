@@ -30,10 +30,9 @@ def scheduler(k: int, d: int, **kw) -> Scheduler:
     return Scheduler(SchedulerConfig(**kw), kv, make_exit_policy("ouro", None), D, speculative=spec)
 
 
-def test_a_window_step_by_step():
-    s = scheduler(2, 1, max_num_batched_tokens=16, async_scheduling=False)
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    s.add_request(Request("a", list(range(6)), params, ExitSettings(1, D, 1.0), seed=0))
+def stepper(s: Scheduler):
+    """One scheduler step with a fake runner: every sample gives token 7, a verify the tokens
+    passed. Returns the plan and its rows (kind, position, rows, depth)."""
 
     def step(accepted=()):
         batch = s.schedule()
@@ -44,22 +43,64 @@ def test_a_window_step_by_step():
         rows = [(t.kind, t.token_start, t.num_tokens, t.depth) for t in batch.requests]
         return batch, rows
 
+    return step
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_a_window_step_by_step(d):
+    """A decode-only window of K = 2 takes two steps: one drafts every position (loop count
+    (K + 1) d, the draft tokens sampled between positions), one verifies."""
+    s = scheduler(2, d, max_num_batched_tokens=16, async_scheduling=False)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    s.add_request(Request("a", list(range(6)), params, ExitSettings(1, D, 1.0), seed=0))
+    step = stepper(s)
     step()  # the prompt, atomically
-    batch, rows = step()  # the first token is sampled; position 6 runs its draft loop
-    assert batch.sample_req_ids == ("a",) and batch.loop_count == 1
-    assert rows == [(RowKind.SPEC, 6, 1, 0)] and batch.drafts == ()
-    for offset in (1, 2):  # a draft token from the previous position, then its draft loop
-        batch, rows = step()
-        assert batch.drafts == (DraftSample("a", offset, offset),)  # token 0 is index 0
-        assert rows == [(RowKind.SPEC, 6 + offset, 1, 0)] and not batch.sample_req_ids
-    batch, rows = step([11, 12])  # verify: positions 6-8 through depths 1-3 at once
-    assert rows == [(RowKind.SPEC, 6, 3, 1)] and batch.loop_count == D - 1
-    assert batch.verifies == (VerifySample("a", 2, 1),)
+    # the first token is sampled; positions 6, 7, 8 run their draft loops in turn, each draft
+    # token sampled (token 0 is index 0) before the invocation its position enters in
+    batch, rows = step()
+    assert batch.sample_req_ids == ("a",) and batch.loop_count == 3 * d
+    assert rows == [(RowKind.SPEC, 6, 1, 0)] and batch.requests[0].draft_loops == d
+    assert batch.drafts == (DraftSample("a", 1, 1, d), DraftSample("a", 2, 2, 2 * d))
+    assert [(t.token_start, depth) for t, depth in batch.live(3 * d - 1, D)] == [(8, d - 1)]
+    # its KV: positions 6-8 in the draft planes, position 6 in the verify planes (the first
+    # window's position was allocated at admission): 3 blocks of 4 positions, 2 past the draft
+    assert [len(s.kv.block_table("a", p)) for p in range(D)] == [3] * d + [2] * (D - d)
+    batch, rows = step([11, 12])  # verify: positions 6-8 through depths d..D-1 at once
+    assert rows == [(RowKind.SPEC, 6, 3, d)] and batch.loop_count == D - d
+    assert batch.verifies == (VerifySample("a", 2, 1),) and batch.drafts == ()
     a = s.requests["a"]
     assert a.output_token_ids == [7, 11, 12] and a.spec.start == 8  # next window at the newest
     assert s.spec.as_dict()["spec_acceptance_rate"] == 0.5  # 1 of 2 drafts, then the target's
     # positions 0-7 hold KV (position 8, rejected, is rewritten by the next window): 2 blocks
     assert all(len(s.kv.block_table("a", p)) == 2 for p in range(D))
+    batch, rows = step()  # the next window drafts at once from the newest token
+    assert rows == [(RowKind.SPEC, 8, 1, 0)] and batch.loop_count == 3 * d
+
+
+def test_a_window_beside_prefill_advances_one_loop_per_step():
+    """Beside a prompt in prefill (mixed scheduling, R1) a window's row runs one loop per step:
+    it moves to the next position between steps, and each draft is sampled at a step's start."""
+    s = scheduler(2, 2, scheduling_mode="mixed", max_num_batched_tokens=16, prefill_chunk_size=4)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    exits = ExitSettings(1, D, 1.0)
+    s.add_request(Request("a", list(range(6)), params, exits, seed=0))
+    step = stepper(s)
+    while s.requests["a"].in_prefill:
+        step()
+    s.add_request(Request("b", list(range(64)), params, exits, seed=0))
+    seen = []
+    for _ in range(6 + (D - 2)):  # three positions of two draft loops, then the verify loops
+        batch, rows = step([11, 12])
+        assert batch.loop_count == 1 and rows[-1][0] is RowKind.PREFILL
+        spec = [r for r in rows if r[0] is RowKind.SPEC]
+        seen.append((spec[0][1:], [(x.offset, x.invocation) for x in batch.drafts]))
+    assert seen == [
+        ((6, 1, 0), []), ((6, 1, 1), []),
+        ((7, 1, 0), [(1, 0)]), ((7, 1, 1), []),
+        ((8, 1, 0), [(2, 0)]), ((8, 1, 1), []),
+        ((6, 3, 2), []), ((6, 3, 3), []),
+    ]  # fmt: skip
+    assert s.requests["a"].output_token_ids == [7, 11, 12]
 
 
 def rule(k=4, d=1, **kw) -> SpecPlanner:

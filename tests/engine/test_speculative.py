@@ -3,6 +3,7 @@
 - greedy output with speculation equals serial output without it, token for token and exit
   depth for exit depth, in refill / no_refill / mixed scheduling and with WCPB, for K in
   {1, 2, 4} drafts of d in {1, 2, 3} loops, on random workloads with staggered arrivals;
+  decode-only steps draft a window's positions at once (a window takes two steps);
 - the same under preemption (a KV cache that holds one longest request), with no block leak;
 - sampled requests: each generated position's token distribution with speculation equals the
   one without (chi-square test of homogeneity, see `test_sampled_distribution_is_unchanged`);
@@ -21,6 +22,7 @@ from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_bat
 from tests.helpers import chi_square_homogeneity, chi_square_sf
 from vllm_rlt.config import ConfigError
 from vllm_rlt.core.sched.execution_batch import RowKind
+from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.models.ouro import OuroForCausalLM
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
@@ -32,6 +34,14 @@ MODES = ("refill", "no_refill", "mixed", "wcpb")
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=5)
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Every window takes K drafts: the random test model accepts few, so the adaptive rule
+    would soon stop drafting (with d = 3 at once), and the exactness under test is the
+    windows'."""
+    monkeypatch.setattr(SpecPlanner, "acceptance", lambda self: 1.0)
 
 
 def greedy_jobs(seed: int, num: int, max_prompt: int = 24, max_tokens: int = 14) -> list[Job]:
@@ -64,7 +74,7 @@ def serial(model_dir) -> tuple[list[Job], dict]:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("draft_loops", [1, 2, 3])
-def test_greedy_equals_plain_decoding(model_dir, mode, k, draft_loops):
+def test_greedy_equals_plain_decoding(model_dir, always_draft, mode, k, draft_loops):
     jobs, want = serial(model_dir)
     rng = random.Random(k * 10 + draft_loops + len(mode))
     chunk = rng.choice([2, 3, 7, 32])
@@ -80,16 +90,47 @@ def test_greedy_equals_plain_decoding(model_dir, mode, k, draft_loops):
         num_speculative_tokens=k,
         speculative_draft_loops=draft_loops,
     )
+    schedule, fused = eng.scheduler.schedule, []
+
+    def recording():  # drafts sampled within a step, between a window's positions
+        batch = schedule()
+        fused.extend(d for d in batch.drafts if d.invocation)
+        return batch
+
+    eng.scheduler.schedule = recording
     got = run_batched(eng, jobs, check=_blocks_bounded)
     assert compare(eng, jobs, got, want, "last_exited") <= 1
     assert kv_all_free(eng)
     spec = eng.scheduler.spec
     assert spec.num_windows > 0 and spec.num_drafted >= spec.num_windows
     assert spec.num_accepted <= spec.num_drafted
+    assert fused or mode not in ("refill", "no_refill")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_window_takes_two_steps(model_dir, always_draft, async_scheduling):
+    """Concurrency 1, K = 4, d = 1: a window drafts all its positions in one step and verifies
+    in the next (async scheduling: a third step waits for the acceptance to be read back), so
+    engine steps per emitted token are about 2 (3) / the mean accepted length, not
+    (K + 2) / it; the output is plain decoding's."""
+    params = SamplingParams(max_tokens=31, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
+    job = Job("a", list(range(3, 13)), params)
+    eng = make_engine(
+        model_dir, num_speculative_tokens=4, speculative_draft_loops=1,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    assert run_batched(eng, [job]) == run_batched(make_engine(model_dir), [job])
+    stats = eng.stats_dict()
+    steps, windows, per_window = stats["steps"], stats["spec_windows"], 2 + async_scheduling
+    assert windows >= 10
+    # the prompt's step and the last tokens' (a window drafts at most the tokens left)
+    assert per_window * windows < steps <= per_window * windows + 4
+    per_token = per_window / stats["spec_mean_accepted_length"]
+    assert steps / stats["generated_tokens"] <= per_token
 
 
 @pytest.mark.parametrize("wavefront", [False, True])
-def test_windows_share_invocations_with_prefill(model_dir, wavefront):
+def test_windows_share_invocations_with_prefill(model_dir, always_draft, wavefront):
     """Under mixed scheduling (and WCPB) draft and verify rows ride the invocations of prefill
     tasks, and the output is still plain decoding's."""
     jobs, want = serial(model_dir)
@@ -140,7 +181,7 @@ def _blocks_bounded(eng) -> None:
         assert held <= most, (req.request_id, held, most)
 
 
-def test_windows_draft_and_accept(model_dir):
+def test_windows_draft_and_accept(always_draft):
     """The packaged model, trained, accepts most drafts of 2 loops out of 4 (a window really
     skips target decode steps)."""
     eng = make_engine(
@@ -227,7 +268,7 @@ def preemption_workload(seed: int):
 
 
 @pytest.mark.parametrize("block", range(4))
-def test_preemption_keeps_outputs(model_dir, block):
+def test_preemption_keeps_outputs(model_dir, always_draft, block):
     """40 workloads in 4 blocks: greedy outputs equal solo plain decoding, the sampled job gets
     all its tokens at full depth, every block is given back, and preemption really happens in
     most workloads."""

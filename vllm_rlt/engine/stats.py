@@ -38,9 +38,9 @@ class EngineStats:
             live = batch.live(i, num_loops)
             if not live:
                 break
-            prefill = sum(t.num_tokens for t in live if t.kind is RowKind.PREFILL)
-            for t in live:
-                self.depth_rows[t.depth + i] += t.num_tokens
+            prefill = sum(t.num_tokens for t, _ in live if t.kind is RowKind.PREFILL)
+            for t, depth in live:
+                self.depth_rows[depth] += t.num_tokens
                 if self.trace is not None:
                     self.trace.append(
                         TraceRecord(
@@ -49,12 +49,12 @@ class EngineStats:
                             t.kind.value,
                             t.token_start,
                             t.num_tokens,
-                            t.depth + i,
+                            depth,
                         )
                     )
             self.invocations += 1
             self.tasks += len(live)
-            self.rows += sum(t.num_tokens for t in live)
+            self.rows += sum(t.num_tokens for t, _ in live)
             self.prefill_rows += prefill
             self.prefill_invocations += prefill > 0
 

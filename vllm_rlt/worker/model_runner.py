@@ -2,13 +2,14 @@
 
 It mirrors what it needs of each request from the plans (prompt, block tables, sampling
 settings, hidden-state slot) and never reads the scheduler's `Request`. A step applies the
-skipped-depth KV copies, samples the requests the plan names (coda of their state) and the
-speculative windows' draft tokens, then runs `loop_count` recurrent-core invocations, each one
-gathered call over all live rows: replayed as a CUDA graph when a bucket admits it (decode rows,
-prefill chunks, mixed; `worker/cuda_graph.py`), eagerly otherwise; then it accepts the windows
-verified in the step. Entering rows' prelude, the coda of prompt rows whose loops are done, and
-the scatter of the outputs run outside the graph, through the model's `worker/edge_stages.py`
-strategy.
+skipped-depth KV copies, samples the requests the plan names (coda of their state), then runs
+`loop_count` recurrent-core invocations, each after the speculative windows' draft tokens due
+before it and each one gathered call over all live rows as they run in it (a drafting window's
+row moves to its next position within the step): replayed as a CUDA graph when a bucket admits
+it (decode rows, prefill chunks, mixed; `worker/cuda_graph.py`, whose static buffers are loaded
+afresh for every invocation), eagerly otherwise; then it accepts the windows verified in the
+step. Entering rows' prelude, the coda of prompt rows whose loops are done, and the scatter of
+the outputs run outside the graph, through the model's `worker/edge_stages.py` strategy.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.core.sched.execution_batch import (
+    DraftSample,
     ExecutionBatch,
     NewRequestData,
     RowKind,
@@ -98,14 +100,17 @@ class ModelRunner:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled = self._sample(batch.sample_req_ids, batch.sample_indices)
-        if batch.drafts:
-            self._draft(batch)
+        drafts: dict[int, list[DraftSample]] = {}
+        for d in batch.drafts:
+            drafts.setdefault(d.invocation, []).append(d)
         # rows that read their gate come in one-loop batches; the gates are gathered right after
         # invocation 0 (a later invocation may replay the same graph over its outputs)
         starts = np.cumsum([0] + [t.num_tokens for t in batch.requests])
         gate_rows = [starts[j] for j, t in enumerate(batch.requests) if t.reads_gate]
         read_gates = None
         for i in range(batch.loop_count):
+            if i in drafts:
+                self._draft(drafts[i])
             gates = self._invoke(batch, i)
             if gates is None:
                 break
@@ -118,15 +123,15 @@ class ModelRunner:
             sampled = _merged(sampled, self._verify(batch))
         return LaunchedStep(tuple(decode_gates), sampled)
 
-    def _draft(self, batch: ExecutionBatch) -> None:
-        """The windows' draft tokens: each from the state of the window position before it."""
-        mirrors = [self.reqs[d.request_id] for d in batch.drafts]
+    def _draft(self, drafts: list[DraftSample]) -> None:
+        """Draft tokens of windows: each from the state of the window position before it."""
+        mirrors = [self.reqs[d.request_id] for d in drafts]
         self.windows.draft(
-            batch.drafts,
+            drafts,
             [m.slot for m in mirrors],
             [
                 self.states.ring_row(m.slot, d.offset - 1)
-                for m, d in zip(mirrors, batch.drafts, strict=True)
+                for m, d in zip(mirrors, drafts, strict=True)
             ],
             [m.data for m in mirrors],
             self.model.coda,
@@ -196,8 +201,9 @@ class ModelRunner:
         return to_host
 
     def _invoke(self, batch: ExecutionBatch, i: int) -> torch.Tensor | None:
-        """Invocation `i` of the batch over its live rows (rows in plan order); returns their
-        gate logits [R] fp32, or None when no row is live."""
+        """Invocation `i` of the batch over its live rows (rows in plan order, at their position
+        and depth in that invocation); returns their gate logits [R] fp32, or None when no row
+        is live."""
         live = batch.live(i, self.num_loops)
         if not live:
             return None
@@ -209,9 +215,8 @@ class ModelRunner:
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
         finish_rows, finish_segs = [], []  # prompt rows past their last loop: their coda
         row = 0
-        for t in live:
+        for t, depth in live:
             m = self.reqs[t.request_id]
-            depth = t.depth + i
             starts.append(t.token_start)
             counts.append(t.num_tokens)
             tables.append(m.block_tables[depth if self.num_planes > 1 else 0])
@@ -281,12 +286,12 @@ class ModelRunner:
         a `timer` is attached."""
         if self.timer is None:
             return contextlib.nullcontext()
-        decode = [t for t in live if t.kind is not RowKind.PREFILL]  # window rows are decode
+        decode = [t for t, _ in live if t.kind is not RowKind.PREFILL]  # window rows: decode
         decode_rows = sum(t.num_tokens for t in decode)
         bucket = None if static is None else static.spec.num_rows
         if not self.timer.by_context:
             return self.timer.time(invocation_shape(decode_rows, rows, bucket))
-        ends = [t.token_start + t.num_tokens for t in live if t.kind is RowKind.PREFILL]
+        ends = [t.token_start + t.num_tokens for t, _ in live if t.kind is RowKind.PREFILL]
         prefill_end = max(ends, default=0)
         position = max((t.token_start for t in decode), default=0)
         return self.timer.time(detailed_shape(decode_rows, rows, bucket, prefill_end, position))

@@ -1,16 +1,18 @@
 """The plan the scheduler hands the runner each step: plain frozen data, no torch.
 
 A step runs, in order: the skipped-depth KV copies, the coda + sampling of `sample_req_ids`,
-the draft samples of speculative windows (`drafts`), then `loop_count` recurrent-core
-invocations over `requests`, then the acceptance of the windows verified (`verifies`). Each
-invocation advances every live row one depth; a prefill task's rows drop out after depth D-1.
-Decode and window rows run every invocation of their batch: the scheduler gives a batch with
-such rows more than one loop only when none of them reaches a decision before the last.
+then `loop_count` recurrent-core invocations over `requests`, each after the draft samples of
+speculative windows (`drafts`) due before it, then the acceptance of the windows verified
+(`verifies`). Each invocation advances every live row one depth; a prefill task's rows drop out
+after depth D-1, and a drafting window's row moves to the window's next position at depth 0
+after each position's draft loops (`ExecutionBatch.live`). Decode and window rows run every
+invocation of their batch: the scheduler gives a batch with such rows more than one loop only
+when none of them reaches a decision before the last.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from vllm_rlt.request import Request
@@ -38,6 +40,21 @@ class ScheduledRequest:
     prefill_hidden_row_offset: int | None = None
     # decode rows: the exit policy needs this loop's gate logit (the runner reads it back)
     reads_gate: bool = False
+    # a drafting window's row: the draft loops of each position (d); after them the row moves
+    # on to the next position at depth 0 within the step. 0: the rows keep their positions
+    draft_loops: int = 0
+
+    def at(self, invocation: int) -> ScheduledRequest:
+        """A drafting row as it runs in invocation `invocation` (0-based) of its batch:
+        `(depth + invocation) // draft_loops` positions (and ring rows) further, at depth
+        `(depth + invocation) % draft_loops`."""
+        moved, depth = divmod(self.depth + invocation, self.draft_loops)
+        return replace(
+            self,
+            token_start=self.token_start + moved,
+            depth=depth,
+            prefill_hidden_row_offset=self.prefill_hidden_row_offset + moved,
+        )
 
     def state_span(self) -> StateSpan:
         """Where these rows' hidden state lives (decode rows: the request's decode row)."""
@@ -100,12 +117,14 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class DraftSample:
-    """A draft token sampled at the start of a step: the coda of a window position's state after
-    the draft loops gives the token of the next position (docs/design/speculative.md)."""
+    """A draft token sampled before an invocation of a step: the coda of a window position's
+    state after the draft loops gives the token of the next position, which enters at depth 0
+    in that invocation (docs/design/speculative.md)."""
 
     request_id: str  # the window's request
     offset: int  # window offset of the drafted token (1..num_drafts); from offset - 1's state
     index: int  # output index the token would take (the sampler's counter)
+    invocation: int = 0  # taken before this invocation of the step (0: after the samples)
 
 
 @dataclass(frozen=True)
@@ -130,7 +149,7 @@ class ExecutionBatch:
     # a DECODE row at depth 0 of such a request takes that token
     sample_req_ids: tuple[str, ...] = ()
     sample_indices: tuple[int, ...] = ()  # output index of each sample (the sampler's counter)
-    drafts: tuple[DraftSample, ...] = ()  # draft tokens sampled after `sample_req_ids`
+    drafts: tuple[DraftSample, ...] = ()  # draft tokens, each before its invocation
     verifies: tuple[VerifySample, ...] = ()  # windows accepted after the invocations
     finished_req_ids: tuple[str, ...] = ()  # requests the runner forgets before this step
 
@@ -138,10 +157,19 @@ class ExecutionBatch:
     def num_rows(self) -> int:
         return sum(r.num_tokens for r in self.requests)
 
-    def live(self, invocation: int, num_loops: int) -> tuple[ScheduledRequest, ...]:
-        """Tasks with rows in invocation `invocation` (0-based) of a depth-`num_loops` model:
-        every task until its final depth (decode rows never get that far in one batch)."""
-        return tuple(t for t in self.requests if t.depth + invocation < num_loops)
+    def live(self, invocation: int, num_loops: int) -> tuple[tuple[ScheduledRequest, int], ...]:
+        """(task, depth) of the tasks with rows in invocation `invocation` (0-based) of a
+        depth-`num_loops` model: every task at `depth + invocation` until its final depth
+        (decode rows never get that far in one batch); a drafting row moved on to the position
+        it runs there (`ScheduledRequest.at`)."""
+        rows = []
+        for t in self.requests:
+            if t.draft_loops:
+                t = t.at(invocation)
+                rows.append((t, t.depth))
+            elif t.depth + invocation < num_loops:
+                rows.append((t, t.depth + invocation))
+        return tuple(rows)
 
 
 @dataclass(frozen=True)

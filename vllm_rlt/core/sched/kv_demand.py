@@ -15,8 +15,9 @@ def kv_demand(
     num_loops: int,
 ) -> dict[tuple[str, int], int]:
     """(request, plane) -> the positions [0, end) there that `loops` invocations of `tasks`
-    write (each task in the planes of the depths it runs, at depth 0 also the edge planes), and
-    the skipped planes that the `exits` (request, position, last depth) copy into."""
+    write (each task in the planes of the depths it runs, at depth 0 also the edge planes, at the
+    positions it runs them: a drafting window's row moves on), and the skipped planes that the
+    `exits` (request, position, last depth) copy into."""
     need: dict[tuple[str, int], int] = {}
 
     def write(req_id: str, planes, end: int) -> None:
@@ -25,6 +26,10 @@ def kv_demand(
             need[key] = max(need.get(key, 0), end)
 
     for t in tasks:
+        if t.draft_loops:  # a drafting row moves on: each position in its draft planes
+            for row in map(t.at, range(loops)):
+                write(t.request_id, kv.planes_written(row.depth), row.token_start + row.num_tokens)
+            continue
         depths = range(t.depth, min(num_loops, t.depth + loops))
         planes = (p for d in depths for p in kv.planes_written(d))
         write(t.request_id, planes, t.token_start + t.num_tokens)

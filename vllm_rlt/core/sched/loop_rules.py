@@ -4,8 +4,8 @@
 
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
       unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
-      gate: then it runs until the first row's exit decision is due (fixed depth: through the
-      remaining depths), the same invocations with no scheduling decision between them;
+      gate: then it runs to the first row's decision (fixed depth: the remaining depths; a
+      drafting window: all its positions' draft loops), no scheduling decision between them;
   R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
   R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
       (its planes must be written first): one loop;
@@ -20,7 +20,7 @@
       prefill-only batches of the whole budget (R2-R6) take turns.
 
 Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
-rows; for R1 a window's rows decide when their draft or verify loops are done.
+rows; a drafting row moves to its window's next position every d loops (`DraftSample`s).
 Merely having waiting requests, or possible preemptions, does not split a batch.
 """
 

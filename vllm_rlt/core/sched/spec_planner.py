@@ -3,11 +3,14 @@ opens and how many tokens it drafts (the adaptive rule), its rows in each step, 
 advance, and the counters of drafted and accepted tokens.
 
 A window starts at the newest sampled token (position `start`). Each of its `K + 1` positions
-runs the draft loops (depths 0..d-1) in turn; at the start of the step after a position's draft
-loops the runner samples the next position's draft token from that state (`DraftSample`). Then
-the `K + 1` positions run depths d..D-1 together (verify); after the step whose invocations
-finish them, the runner accepts a prefix of the drafts plus one token (`VerifySample`) and the
-scheduler appends the accepted tokens once they are read back.
+runs the draft loops (depths 0..d-1) in turn, as one drafting row that moves to the next
+position after each position's d loops (`ScheduledRequest.draft_loops`); before the next
+position enters at depth 0 the runner samples its draft token from the state the previous one
+reached (`DraftSample`, with the invocation it precedes). Its decision is the end of drafting:
+a decode-only step runs all its remaining draft loops at once (R1), a step of one loop (beside
+prefill) one of them. Then the `K + 1` positions run depths d..D-1 together (verify); after the
+step whose invocations finish them, the runner accepts a prefix of the drafts plus one token
+(`VerifySample`) and the scheduler appends the accepted tokens once they are read back.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class SpecPlanner:
             position = w.start + w.offset
             return ScheduledRequest(
                 req.request_id, RowKind.SPEC, position, 1, w.loops_done,
-                prefill_hidden_row_offset=w.offset,
+                prefill_hidden_row_offset=w.offset, draft_loops=self.draft_loops,
             )  # fmt: skip
         depth = self.draft_loops + w.loops_done
         return ScheduledRequest(
@@ -126,31 +129,37 @@ class SpecPlanner:
         )  # fmt: skip
 
     def loops_to_decision(self, w: SpecWindow) -> int:
-        """Loops the window's rows run before the scheduler has something to do for them."""
+        """Loops the window's rows run before the scheduler has something to do for them: the
+        rest of the drafting (every remaining position's draft loops), or of the verify."""
         if w.verifying:
             return self.num_loops - self.draft_loops - w.loops_done
-        return self.draft_loops - w.loops_done
+        return (w.num_drafts + 1 - w.offset) * self.draft_loops - w.loops_done
 
     def advance(self, w: SpecWindow, loops: int) -> None:
-        """The window's rows ran `loops` loops."""
-        w.loops_done += loops
-        if not w.verifying and w.loops_done == self.draft_loops:
-            w.offset, w.loops_done = w.offset + 1, 0
-        elif w.verifying and w.loops_done == self.num_loops - self.draft_loops:
-            w.verified = True
+        """The window's rows ran `loops` loops (drafting: across positions)."""
+        if w.verifying:
+            w.loops_done += loops
+            w.verified = w.loops_done == self.num_loops - self.draft_loops
+            return
+        moved, w.loops_done = divmod(w.loops_done + loops, self.draft_loops)
+        w.offset += moved
 
     def samples(self, tasks, loops: int, requests: dict[str, Request]):
-        """The draft samples that open this step and the acceptances that close it, for the
+        """The draft samples of this step (each before the invocation in which a drafting row
+        enters a position past the window's first) and the acceptances that close it, for the
         window rows among `tasks` (a step of `loops` loops)."""
         drafts, verifies = [], []
         for t in tasks:
             if t.kind is not RowKind.SPEC:
                 continue
             w = requests[t.request_id].spec
-            if t.depth == 0 and w.offset:
-                drafts.append(DraftSample(t.request_id, w.offset, w.index + w.offset))
             if w.verifying and t.depth + loops == self.num_loops:
                 verifies.append(VerifySample(t.request_id, w.num_drafts, w.index + 1))
+            for i in range(loops if t.draft_loops else 0):
+                row = t.at(i)
+                offset = row.prefill_hidden_row_offset
+                if row.depth == 0 and offset:
+                    drafts.append(DraftSample(t.request_id, offset, w.index + offset, i))
         return tuple(drafts), tuple(verifies)
 
     def as_dict(self) -> dict[str, float]:
