@@ -1,5 +1,5 @@
 """Settings of `vllm-rlt serve` beyond one engine's (`vllm_rlt.config`): prefill/decode
-disaggregation."""
+disaggregation, data-parallel replicas."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ AUTHKEY_ENV = "VLLM_RLT_PD_AUTHKEY"  # the secret that front end and remote engi
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    """Prefill/decode disaggregation (`vllm-rlt serve` only; docs/design/disaggregation.md)."""
+    """Engine processes behind one front end (`vllm-rlt serve` only): prefill/decode
+    disaggregation (docs/design/disaggregation.md) or data-parallel replicas."""
+
+    data_parallel_size: int = field_help(
+        "full engines (one process each, prefill and decode of their requests, each its own KV "
+        "cache) behind one front end, each request served wholly by the least-loaded one "
+        "(1: one engine in the server's process)",
+        default=1,
+    )
 
     pd_prefill: int = field_help(
         "prefill engines (one process each) of a disaggregated server; with pd_decode, the "
@@ -57,6 +65,10 @@ class DisaggConfig:
     def __post_init__(self) -> None:
         check_choices_and_types(self)
         p, d = self.pd_prefill, self.pd_decode
+        dp = self.data_parallel_size
+        check(dp >= 1, "data_parallel_size", dp, ">= 1")
+        want = "1 when pd_prefill or pd_decode is set (replicas or disaggregation, not both)"
+        check(dp == 1 or p == d == 0, "data_parallel_size", dp, want)
         check(p >= 0 and d >= 0, "pd_prefill and pd_decode", (p, d), ">= 0")
         check((p == 0) == (d == 0), "pd_prefill and pd_decode", (p, d), "both 0 or both >= 1")
         for name in ("pd_master_port", "pd_control_port"):
@@ -70,7 +82,10 @@ class DisaggConfig:
             check(port > 0, "pd_control_port", port, ">= 1 when engines run on other hosts")
 
     def is_remote(self, rank: int) -> bool:
-        """Whether engine `rank` (prefill engines first) runs on another host."""
+        """Whether PD engine `rank` (prefill engines first) runs on another host (a replica
+        never does)."""
+        if not self.enabled:
+            return False
         if rank < self.pd_prefill:
             return rank >= self.pd_prefill - self.pd_remote_prefill
         return rank >= self.pd_prefill + self.pd_decode - self.pd_remote_decode

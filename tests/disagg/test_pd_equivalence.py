@@ -16,6 +16,7 @@ import pytest
 from tests.engine.harness import Job, compare, make_engine, run_batched
 from tests.engine.test_wcpb import workload
 from vllm_rlt.config import EngineConfig
+from vllm_rlt.disagg.front_end import FrontEnd
 from vllm_rlt.disagg.router import PDRouter
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.serve_config import DisaggConfig
@@ -44,7 +45,10 @@ def multi_chunk_workload(first_seed: int) -> tuple[list[Job], dict]:
     raise AssertionError("unreachable")
 
 
-async def run_pd(router: PDRouter, jobs: list[Job]) -> dict[str, tuple]:
+async def run_pd(router: FrontEnd, jobs: list[Job]) -> dict[str, tuple]:
+    """Every job through a front end (PD or replicas), each at its arrival step; (tokens,
+    exit depths) by request id."""
+
     async def one(job: Job) -> tuple[str, tuple]:
         await asyncio.sleep(job.arrival_step * ARRIVAL_GAP_S)
         last = None

@@ -29,9 +29,10 @@ EXIT_THRESHOLD = 0.5
 TIMEOUT_S = 120  # a phase that takes longer fails (nothing may hang)
 
 
-def flags(model_dir) -> list[str]:
-    out = [str(model_dir), "--pd-prefill", "2", "--pd-decode", "2", "--device", "cpu",
-           "--dtype", "float32", "--block-size", "4", "--disable-log-requests"]  # fmt: skip
+def flags(model_dir, *engines: str) -> list[str]:
+    """`vllm-rlt serve` flags: the tiny model, SETTINGS, and `engines` (the engine processes)."""
+    out = [str(model_dir), *engines, "--device", "cpu", "--dtype", "float32", "--block-size",
+           "4", "--disable-log-requests"]  # fmt: skip
     for name, value in SETTINGS.items():
         flag = "--" + name.replace("_", "-")
         out += [flag] if value is True else [flag, str(value)]
@@ -103,8 +104,9 @@ async def run_all(url: str, work, on_started=None, leave=()) -> list[str | None 
         return await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def engine_pids(log: str, role: str) -> list[int]:
-    found = re.search(role + r" engines: pids \[([\d, ]+)\]", log)
+def engine_pids(log: str, label: str) -> list[int]:
+    """The pids `vllm-rlt serve` printed for `label` ("prefill engines", "replicas", ...)."""
+    found = re.search(label + r": pids \[([\d, ]+)\]", log)
     return [int(p) for p in found.group(1).split(",")]
 
 
@@ -139,7 +141,8 @@ def test_2p2d_streams_then_a_decode_and_a_prefill_engine_die(model_dir, tmp_path
     def run(items, on_started=None, leave=()):
         return asyncio.run(asyncio.wait_for(run_all(srv.url, items, on_started, leave), TIMEOUT_S))
 
-    with ServeProcess(tmp_path / "serve.log", flags(model_dir)) as srv:
+    pd = flags(model_dir, "--pd-prefill", "2", "--pd-decode", "2")
+    with ServeProcess(tmp_path / "serve.log", pd) as srv:
         got = run(work, leave=leave)
         assert got == [None if i in leave else w for i, w in enumerate(want)]
         wait_free(srv.url)
@@ -148,7 +151,7 @@ def test_2p2d_streams_then_a_decode_and_a_prefill_engine_die(model_dir, tmp_path
         assert m["vllm_rlt:pd_kv_transfer_chunks_total"] >= len(work)
         assert m["vllm_rlt:pd_kv_transfer_bytes_total"] > 0
 
-        victim = engine_pids(srv.log(), "decode")[1]
+        victim = engine_pids(srv.log(), "decode engines")[1]
         check_partial(run(long_work, lambda: os.kill(victim, signal.SIGKILL)), want_long)
         health = httpx.get(srv.url + "/health")
         assert health.status_code == 503
@@ -156,7 +159,7 @@ def test_2p2d_streams_then_a_decode_and_a_prefill_engine_die(model_dir, tmp_path
         wait_free(srv.url)  # the survivors freed the failed requests' blocks
         assert run(work[:10]) == want[:10]  # the survivors go on serving
 
-        victim = engine_pids(srv.log(), "prefill")[0]
+        victim = engine_pids(srv.log(), "prefill engines")[0]
         check_partial(run(long_work, lambda: os.kill(victim, signal.SIGKILL)), want_long)
         assert "prefill engine 0" in httpx.get(srv.url + "/health").json()["error"]["message"]
         wait_free(srv.url)

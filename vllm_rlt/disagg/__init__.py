@@ -1,1 +1,2 @@
-"""Prefill/decode disaggregation: engine processes, KV transfers, the front end's router."""
+"""Engine processes behind one front end: prefill/decode disaggregation (engine processes, KV
+transfers, the router) and data-parallel replicas."""

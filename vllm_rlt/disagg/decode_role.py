@@ -18,8 +18,7 @@ from vllm_rlt.core.kv_cache_manager import KVCapacityError
 from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.disagg.transport import KVReceiver
-from vllm_rlt.disagg.worker import _Role
-from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.disagg.worker import StreamingRole
 from vllm_rlt.request import Request
 
 
@@ -35,7 +34,7 @@ class _Import:
     num_bytes: int = 0  # their payloads' bytes
 
 
-class DecodeRole(_Role):
+class DecodeRole(StreamingRole):
     def __init__(self, engine, place, conn, groups, via_host: bool):
         super().__init__(engine, place, conn)
         rank = place.rank
@@ -44,7 +43,6 @@ class DecodeRole(_Role):
         self.receiver = KVReceiver(engine.runner.kv_cache, peers, kv.num_planes, via_host)
         self.imports: dict[int, _Import] = {}
         self.to_reserve: deque[int] = deque()
-        self.active: dict[str, int] = {}  # request id -> handle, while it decodes here
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + len(self.imports)
@@ -77,10 +75,7 @@ class DecodeRole(_Role):
             if imp.reserved:
                 self.engine.kv_manager.free(imp.req.request_id)
             return
-        for req_id, h in list(self.active.items()):
-            if h == handle:
-                del self.active[req_id]
-                self.engine.abort_request(req_id)
+        self.abort_active(handle)
 
     def poll_links(self) -> None:
         self._reserve()
@@ -140,15 +135,3 @@ class DecodeRole(_Role):
             self.conn.send(msg.Imported(handle, imp.first_chunk_at, imp.num_chunks, imp.num_bytes))
             self.active[imp.req.request_id] = handle
             self.after_step(self.engine.import_prefilled(imp.req, imp.first))
-
-    def after_step(self, outputs: list[RequestOutput]) -> None:
-        items = []
-        for out in outputs:
-            handle = self.active.get(out.request_id)
-            if handle is None:
-                continue
-            items.append((handle, out))
-            if out.finished:
-                del self.active[out.request_id]
-        if items:
-            self.conn.send(msg.Outputs(tuple(items)))

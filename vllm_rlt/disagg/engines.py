@@ -1,6 +1,6 @@
-"""The engine processes of a disaggregated server, seen from the front end: starting them (local
-ones spawned here, remote ones accepted as they connect), waiting until they are ready,
-stopping them.
+"""The engine processes behind a front end (a disaggregated server's prefill and decode engines,
+or data-parallel replicas), seen from the front end: starting them (local ones spawned here,
+remote PD engines accepted as they connect), waiting until they are ready, stopping them.
 
 A remote engine is started on its own host with `vllm-rlt pd-engine --pd-connect HOST:PORT
 --pd-rank R` (`remote_engine_main`). It connects to the front end's control port, authenticated
@@ -41,12 +41,15 @@ class EngineHandle:
     num_loops: int = 0
     alive: bool = True
     load: int = 0  # requests routed here and not finished on this side
+    routed: int = 0  # requests routed here in all
     status: msg.Status | None = None
 
     @property
     def name(self) -> str:
         p = self.place
         where = f"pid {self.pid} on {self.host}" if self.process is None else f"pid {self.pid}"
+        if p.is_replica:
+            return f"replica {p.rank} ({where})"
         if p.is_prefill:
             return f"prefill engine {p.rank} ({where})"
         return f"decode engine {p.rank - p.num_prefill} ({where})"
@@ -68,11 +71,16 @@ def authkey() -> bytes:
 
 def start_engines(config: EngineConfig, disagg: DisaggConfig) -> list[EngineHandle]:
     """Start the local engines, accept the remote ones, and wait until all are ready
-    (ConfigError with the first failure; every engine is then stopped)."""
+    (ConfigError with the first failure; every engine is then stopped): the PD engines, or
+    with data_parallel_size > 1 the replicas."""
     ctx = multiprocessing.get_context("spawn")
-    port = disagg.pd_master_port or _free_port(disagg.pd_master_addr)
-    n, m = disagg.pd_prefill, disagg.pd_decode
-    places = [Placement(rank, n, m, port) for rank in range(n + m)]
+    if disagg.data_parallel_size > 1:
+        num = disagg.data_parallel_size
+        places = [Placement(rank, 0, 0, 0, num_replicas=num) for rank in range(num)]
+    else:
+        port = disagg.pd_master_port or _free_port(disagg.pd_master_addr)
+        n, m = disagg.pd_prefill, disagg.pd_decode
+        places = [Placement(rank, n, m, port) for rank in range(n + m)]
     remote = [p for p in places if disagg.is_remote(p.rank)]
     accepted = _Acceptor(disagg, [p.rank for p in remote]) if remote else None
     engines = []
@@ -82,7 +90,7 @@ def start_engines(config: EngineConfig, disagg: DisaggConfig) -> list[EngineHand
         here, there = ctx.Pipe()
         proc = ctx.Process(
             target=engine_main, args=(place, config, disagg, there), daemon=True,
-            name=f"vllm-rlt-{'prefill' if place.is_prefill else 'decode'}-{place.rank}",
+            name=f"vllm-rlt-{place.kind}-{place.rank}",
         )  # fmt: skip
         proc.start()
         there.close()

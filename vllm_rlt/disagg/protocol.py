@@ -7,6 +7,9 @@ its blocks are reserved `Reserved`; front end -> prefill `Prefill`; prefill -> d
 (transport); prefill -> front end `FirstToken`, relayed to the decode engine; decode ->
 `Outputs` as tokens come. `Abort` ends a request on either side.
 
+A data-parallel replica's request: front end -> replica `Generate`; replica -> `Accepted` (or
+`Rejected`), then `Outputs` as tokens come.
+
 An engine on another host connects first: remote engine -> front end `Join`; front end ->
 remote engine `Assign`; then, as for every engine, `Ready` (or `StartFailed`).
 """
@@ -33,8 +36,19 @@ class Expect:
 
 
 @dataclass(frozen=True)
+class Generate:
+    """front end -> replica: validate a request and run it to the end."""
+
+    handle: int
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
 class Accepted:
-    """decode -> front end: the request is valid (its reservation may still wait for blocks)."""
+    """decode or replica -> front end: the request is valid (a decode engine's reservation may
+    still wait for blocks)."""
 
     handle: int
 
@@ -91,7 +105,7 @@ class Imported:
 
 @dataclass(frozen=True)
 class Outputs:
-    """decode -> front end: outputs of the last step, by handle."""
+    """decode or replica -> front end: outputs of the last step, by handle."""
 
     items: tuple[tuple[int, RequestOutput], ...]
 

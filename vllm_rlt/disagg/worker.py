@@ -1,9 +1,11 @@
-"""An engine process of a disaggregated server: loads an `LLMEngine`, joins the engines'
-process group, then loops: control messages from the front end, KV links, engine steps.
+"""An engine process behind a front end: loads an `LLMEngine`, joins the engines' process
+group (a disaggregated server's engines; a data-parallel replica joins none), then loops:
+control messages from the front end, KV links, engine steps.
 
 The loop (`_Role.run`) never blocks on a peer: KV sends and receives are polled, and while
 the engine has nothing to run it waits at most IDLE_WAIT_S for a message. The role classes
-(`PrefillRole`, `DecodeRole` in their modules) add what each side does with a request.
+(`PrefillRole`, `DecodeRole`, `ReplicaRole` in their modules) add what each does with a request;
+`StreamingRole` is the part of the last two that streams a request's outputs to the front end.
 """
 
 from __future__ import annotations
@@ -28,16 +30,32 @@ STATUS_INTERVAL_S = 0.05  # shortest time between two Status messages
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where an engine process runs in the group."""
+    """Where an engine process runs in the group (a PD engine), or which replica it is."""
 
-    rank: int  # prefill i is rank i, decode j is rank num_prefill + j
+    rank: int  # prefill i is rank i, decode j is rank num_prefill + j; replica k is rank k
     num_prefill: int
     num_decode: int
-    port: int  # the rendezvous port (resolved: never 0)
+    port: int  # the rendezvous port (resolved: never 0; unused by replicas)
+    num_replicas: int = 0  # > 0: a data-parallel replica, of this many (no process group)
 
     @property
     def is_prefill(self) -> bool:
         return self.rank < self.num_prefill
+
+    @property
+    def is_replica(self) -> bool:
+        return self.num_replicas > 0
+
+    @property
+    def kind(self) -> str:
+        if self.is_replica:
+            return "replica"
+        return "prefill" if self.is_prefill else "decode"
+
+    @property
+    def num_engines(self) -> int:
+        """The engine processes of the server (they share the host's cores on CPU)."""
+        return self.num_replicas or self.world_size
 
     @property
     def world_size(self) -> int:
@@ -74,21 +92,15 @@ def engine_main(
     try:
         device = engine_device(config, place.rank)
         if torch.device(device or "cpu").type == "cpu":  # the engines share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.num_engines))
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
         engine = LLMEngine(config)
-        kv_device = engine.runner.kv_cache.kv.device
-        backend = transport_backend(disagg, kv_device, place.world_size)
-        if backend == "nccl":
-            torch.cuda.set_device(kv_device)
-        init_group(backend, disagg.pd_master_addr, place.port, place.rank, place.world_size)
-        groups = pair_groups(place.num_prefill, place.num_decode)
-        via_host = backend == "gloo" and kv_device.type == "cuda"
-        if place.is_prefill:
-            from vllm_rlt.disagg.prefill_role import PrefillRole as role_cls
+        if place.is_replica:
+            from vllm_rlt.disagg.replica_role import ReplicaRole
+
+            role = ReplicaRole(engine, place, conn)
         else:
-            from vllm_rlt.disagg.decode_role import DecodeRole as role_cls
-        role = role_cls(engine, place, conn, groups, via_host)
+            role = _pd_role(engine, place, disagg, conn)
     except Exception as err:
         conn.send(msg.StartFailed(place.rank, f"{type(err).__name__}: {err}"))
         return
@@ -96,6 +108,22 @@ def engine_main(
     role.run()
     # the link threads may sit in a blocking receive: end the process without joining them
     os._exit(0)
+
+
+def _pd_role(engine: LLMEngine, place: Placement, disagg: DisaggConfig, conn: Connection):
+    """Join the PD engines' process group; the prefill or decode role of engine `place`."""
+    kv_device = engine.runner.kv_cache.kv.device
+    backend = transport_backend(disagg, kv_device, place.world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(kv_device)
+    init_group(backend, disagg.pd_master_addr, place.port, place.rank, place.world_size)
+    groups = pair_groups(place.num_prefill, place.num_decode)
+    via_host = backend == "gloo" and kv_device.type == "cuda"
+    if place.is_prefill:
+        from vllm_rlt.disagg.prefill_role import PrefillRole as role_cls
+    else:
+        from vllm_rlt.disagg.decode_role import DecodeRole as role_cls
+    return role_cls(engine, place, conn, groups, via_host)
 
 
 class _Role:
@@ -144,3 +172,31 @@ class _Role:
         if force or gauges != self._last_status and now - self._status_at >= STATUS_INTERVAL_S:
             self.conn.send(msg.Status(self.place.rank, *gauges))
             self._last_status, self._status_at = gauges, now
+
+
+class StreamingRole(_Role):
+    """A role whose engine generates requests to the end: sends their outputs (`Outputs`, by
+    handle) after each step."""
+
+    def __init__(self, engine: LLMEngine, place: Placement, conn: Connection):
+        super().__init__(engine, place, conn)
+        self.active: dict[str, int] = {}  # request id -> handle, while it generates here
+
+    def abort_active(self, handle: int) -> None:
+        """Drop the generating request of `handle`, if any (its blocks are freed)."""
+        for req_id, h in list(self.active.items()):
+            if h == handle:
+                del self.active[req_id]
+                self.engine.abort_request(req_id)
+
+    def after_step(self, outputs) -> None:
+        items = []
+        for out in outputs:
+            handle = self.active.get(out.request_id)
+            if handle is None:
+                continue
+            items.append((handle, out))
+            if out.finished:
+                del self.active[out.request_id]
+        if items:
+            self.conn.send(msg.Outputs(tuple(items)))

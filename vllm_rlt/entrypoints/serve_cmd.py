@@ -129,6 +129,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(args: argparse.Namespace) -> NoReturn:
     from vllm_rlt.config import EngineConfig
+    from vllm_rlt.disagg.replicas import ReplicaRouter
     from vllm_rlt.disagg.router import PDRouter
     from vllm_rlt.engine.llm_engine import LLMEngine
     from vllm_rlt.entrypoints.openai.api_server import build_app
@@ -151,11 +152,15 @@ def run(args: argparse.Namespace) -> NoReturn:
     try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
         disagg = DisaggConfig(**cli_args.config_kwargs(args, [DisaggConfig]))
-        if disagg.enabled:  # engine processes behind a router, which the app serves alike
-            engine = PDRouter(config, disagg, max_waiting_requests=args.max_waiting_requests)
+        # engine processes behind a router, which the app serves alike
+        limit = args.max_waiting_requests
+        if disagg.enabled:
+            engine = PDRouter(config, disagg, max_waiting_requests=limit)
             for role in ("prefill", "decode"):
-                pids = engine.engine_pids(prefill=role == "prefill")
-                print(f"vllm-rlt: {role} engines: pids {pids}", flush=True)
+                print(f"vllm-rlt: {role} engines: pids {engine.engine_pids(role)}", flush=True)
+        elif disagg.data_parallel_size > 1:
+            engine = ReplicaRouter(config, disagg, max_waiting_requests=limit)
+            print(f"vllm-rlt: replicas: pids {engine.engine_pids('replica')}", flush=True)
         else:
             engine = LLMEngine(config)
         app = build_app(

@@ -66,7 +66,7 @@ def build_app(
     when each request arrives and when it ends."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine, max_waiting_requests=max_waiting_requests)
-    # else an AsyncLLMEngine, or a disaggregated server's PDRouter, which has its interface
+    # else an AsyncLLMEngine, or a front end of engine processes (disagg), which has its interface
     elif max_waiting_requests is not None:
         engine.max_waiting_requests = max_waiting_requests
     metrics = ServerMetrics(served_model_name, engine)
@@ -87,7 +87,7 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        if isinstance(engine.engine, LLMEngine):  # (a PDRouter's engines log their own)
+        if isinstance(engine.engine, LLMEngine):  # (a front end's engines log their own)
             log_startup(engine.engine, served_model_name, model_dir)
         stats = None
         if log_stats:

@@ -1,0 +1,25 @@
+"""A data-parallel replica: a whole engine (prefill and decode of its requests, its own KV
+cache) behind the front end, which sends it each request whole (`Generate`) and streams its
+outputs."""
+
+from __future__ import annotations
+
+from vllm_rlt.disagg import protocol as msg
+from vllm_rlt.disagg.worker import StreamingRole
+
+
+class ReplicaRole(StreamingRole):
+    def handle(self, message) -> None:
+        if isinstance(message, msg.Generate):
+            self._generate(message)
+        elif isinstance(message, msg.Abort):
+            self.abort_active(message.handle)
+
+    def _generate(self, order: msg.Generate) -> None:
+        try:
+            self.engine.add_request(order.request_id, list(order.prompt_token_ids), order.params)
+        except ValueError as err:
+            self.conn.send(msg.Rejected(order.handle, str(err), invalid=True))
+            return
+        self.active[order.request_id] = order.handle
+        self.conn.send(msg.Accepted(order.handle))
