@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from benchmarks.provenance import commit, engine_digest
 from vllm_rlt.benchmarks.drivers import run_http
 from vllm_rlt.benchmarks.metrics import summarize
 from vllm_rlt.benchmarks.workload import build_workload
+from vllm_rlt.disagg.engines import free_port
 
 SETUPS = {
     "single": [],
@@ -42,12 +42,6 @@ SETUPS = {
     "replicas": ["--data-parallel-size", "2"],
 }
 START_TIMEOUT_S = 600.0  # a server's engines load, capture graphs and join their group
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def transfer_counters(base_url: str) -> dict[str, float]:
@@ -65,7 +59,7 @@ class Server:
     """`vllm-rlt serve` in a child process, until the `with` block ends (SIGINT, then kill)."""
 
     def __init__(self, model_dir: Path, flags: list[str], log: Path):
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "serve", str(model_dir),
                "--port", str(self.port), "--served-model-name", "bench",

@@ -18,6 +18,7 @@ from tests.disagg.test_pd_equivalence import MODES, TIMEOUT_S, multi_chunk_workl
 from tests.engine.harness import compare, make_engine, run_batched
 from vllm_rlt.config import ConfigError, EngineConfig
 from vllm_rlt.disagg import engines
+from vllm_rlt.disagg.engines import free_port
 from vllm_rlt.disagg.router import PDRouter
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.serve_config import AUTHKEY_ENV, DisaggConfig
@@ -26,12 +27,6 @@ from vllm_rlt.serve_config import AUTHKEY_ENV, DisaggConfig
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=21)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_remote(port: int, rank: int, secret: str, stderr=None) -> subprocess.Popen:
@@ -51,7 +46,7 @@ def test_a_remote_decode_engine_serves_and_its_death_is_seen(model_dir, monkeypa
         model=str(model_dir), device="cpu", attention_backend="torch", dtype="float32",
         num_kv_blocks=4096, block_size=4, **settings,
     )  # fmt: skip
-    port = free_port()
+    port = free_port("127.0.0.1")
     disagg = DisaggConfig(pd_prefill=1, pd_decode=1, pd_remote_decode=1, pd_control_port=port)
     remote = start_remote(port, rank=1, secret="s3cret")
     try:
@@ -89,7 +84,7 @@ def test_a_remote_engine_with_the_wrong_secret_is_not_admitted(model_dir, monkey
     monkeypatch.setenv(AUTHKEY_ENV, "right")
     monkeypatch.setattr(engines, "START_TIMEOUT_S", 15.0)
     config = EngineConfig.from_kwargs(model=str(model_dir), device="cpu", dtype="float32")
-    port = free_port()
+    port = free_port("127.0.0.1")
     disagg = DisaggConfig(pd_prefill=1, pd_decode=1, pd_remote_decode=1, pd_control_port=port)
     remote = start_remote(port, rank=1, secret="wrong", stderr=subprocess.PIPE)
     try:

@@ -78,7 +78,7 @@ def start_engines(config: EngineConfig, disagg: DisaggConfig) -> list[EngineHand
         num = disagg.data_parallel_size
         places = [Placement(rank, 0, 0, 0, num_replicas=num) for rank in range(num)]
     else:
-        port = disagg.pd_master_port or _free_port(disagg.pd_master_addr)
+        port = disagg.pd_master_port or free_port(disagg.pd_master_addr)
         n, m = disagg.pd_prefill, disagg.pd_decode
         places = [Placement(rank, n, m, port) for rank in range(n + m)]
     remote = [p for p in places if disagg.is_remote(p.rank)]
@@ -209,7 +209,8 @@ def remote_engine_main(host: str, port: int, rank: int) -> None:
         engine_main(order.place, order.config, order.disagg, conn)
 
 
-def _free_port(addr: str) -> int:
+def free_port(addr: str) -> int:
+    """A TCP port free on `addr` now."""
     with socket.socket() as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
