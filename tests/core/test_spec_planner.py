@@ -17,8 +17,8 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
-from vllm_rlt.core.sched.spec_planner import JUDGE_AFTER, PROBE_EVERY, SpecPlanner
-from vllm_rlt.request import ExitSettings, Request
+from vllm_rlt.core.sched.spec_planner import JUDGE_AFTER, MEMORY, PROBE_EVERY, SpecPlanner
+from vllm_rlt.request import ExitSettings, Request, SpecWindow
 from vllm_rlt.sampling_params import SamplingParams
 
 D = 4
@@ -37,7 +37,7 @@ def stepper(s: Scheduler):
     def step(accepted=()):
         batch = s.schedule()
         sampled = {r: SampledToken(7, None, ()) for r in batch.sample_req_ids}
-        sampled |= {v.request_id: tuple(SampledToken(t, None, ()) for t in accepted)
+        sampled |= {v: tuple(SampledToken(t, None, ()) for t in accepted)
                     for v in batch.verifies}  # fmt: skip
         s.update(batch, RunnerOutput(sampled, ()))
         rows = [(t.kind, t.token_start, t.num_tokens, t.depth) for t in batch.requests]
@@ -48,33 +48,54 @@ def stepper(s: Scheduler):
 
 @pytest.mark.parametrize("d", [1, 2])
 def test_a_window_step_by_step(d):
-    """A decode-only window of K = 2 takes two steps: one drafts every position (loop count
-    (K + 1) d, the draft tokens sampled between positions), one verifies."""
+    """A decode-only window of K = 2 takes one step of (K + 1) d + D - d loops: its row drafts
+    every position in turn (the draft tokens sampled between positions), then turns into the
+    verify rows of all three positions, and the acceptance closes the step."""
     s = scheduler(2, d, max_num_batched_tokens=16, async_scheduling=False)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     s.add_request(Request("a", list(range(6)), params, ExitSettings(1, D, 1.0), seed=0))
     step = stepper(s)
     step()  # the prompt, atomically
     # the first token is sampled; positions 6, 7, 8 run their draft loops in turn, each draft
-    # token sampled (token 0 is index 0) before the invocation its position enters in
-    batch, rows = step()
-    assert batch.sample_req_ids == ("a",) and batch.loop_count == 3 * d
+    # token sampled (token 0 is index 0) before the invocation its position enters in; then
+    # positions 6-8 run depths d..D-1 at once
+    batch, rows = step([11, 12])
+    assert batch.sample_req_ids == ("a",) and batch.loop_count == 3 * d + D - d
     assert rows == [(RowKind.SPEC, 6, 1, 0)] and batch.requests[0].draft_loops == d
     assert batch.drafts == (DraftSample("a", 1, 1, d), DraftSample("a", 2, 2, 2 * d))
-    assert [(t.token_start, depth) for t, depth in batch.live(3 * d - 1, D)] == [(8, d - 1)]
-    # its KV: positions 6-8 in the draft planes, position 6 in the verify planes (the first
-    # window's position was allocated at admission): 3 blocks of 4 positions, 2 past the draft
-    assert [len(s.kv.block_table("a", p)) for p in range(D)] == [3] * d + [2] * (D - d)
-    batch, rows = step([11, 12])  # verify: positions 6-8 through depths d..D-1 at once
-    assert rows == [(RowKind.SPEC, 6, 3, d)] and batch.loop_count == D - d
-    assert batch.verifies == (VerifySample("a", 2, 1),) and batch.drafts == ()
+    live = [(t.token_start, t.num_tokens, depth) for i in range(batch.loop_count)
+            for t, depth in batch.live(i, D)]  # fmt: skip
+    draft = [(6 + i // d, 1, i % d) for i in range(3 * d)]
+    assert live == draft + [(6, 3, depth) for depth in range(d, D)]
+    assert batch.verifies == (VerifySample("a", 2, 1),)
     a = s.requests["a"]
     assert a.output_token_ids == [7, 11, 12] and a.spec.start == 8  # next window at the newest
     assert s.spec.as_dict()["spec_acceptance_rate"] == 0.5  # 1 of 2 drafts, then the target's
     # positions 0-7 hold KV (position 8, rejected, is rewritten by the next window): 2 blocks
     assert all(len(s.kv.block_table("a", p)) == 2 for p in range(D))
     batch, rows = step()  # the next window drafts at once from the newest token
-    assert rows == [(RowKind.SPEC, 8, 1, 0)] and batch.loop_count == 3 * d
+    assert rows == [(RowKind.SPEC, 8, 1, 0)] and batch.loop_count == 3 * d + D - d
+
+
+def test_a_window_split_across_steps_resumes_where_it_stopped():
+    """Steps that end inside a window (beside tokens with earlier decisions) leave its row where
+    the step left it, across positions and into the verify: the next step's task continues
+    there, and the loops to its decision add up to the window's (K + 1) d + D - d."""
+    planner = rule(k=2, d=2)
+    w = SpecWindow(start=10, index=3, num_drafts=2)
+    req = Request("a", [1], SamplingParams(max_tokens=9), ExitSettings(1, D, 1.0), seed=0)
+    req.spec = w
+    seen, total = [], 0
+    for loops in (3, 2, 2, 1):  # 3 + 2 + 2 + 1 = (2 + 1) * 2 + 4 - 2
+        assert planner.loops_to_decision(w) == 3 * 2 + D - 2 - total
+        t = planner.task(req)
+        seen.append((t.token_start, t.num_tokens, t.depth, t.draft_loops))
+        rows = [t.at(i) if t.draft_loops else t for i in range(loops)]
+        assert [r.num_tokens for r in rows] == [3 if r.depth >= 2 else 1 for r in rows]
+        planner.advance(w, loops)
+        total += loops
+    assert seen == [(10, 1, 0, 2), (11, 1, 1, 2), (12, 1, 1, 2), (10, 3, 3, 0)]
+    assert w.verified
 
 
 def test_a_window_beside_prefill_advances_one_loop_per_step():
@@ -117,19 +138,29 @@ def test_default_rule_is_off_above_the_row_limit():
     assert SpecPlanner(SpeculativeConfig(num_speculative_tokens=4), D, max_rows=3).max_drafts == 2
 
 
+def feed(planner: SpecPlanner, windows: int, k: int, accepted: int) -> None:
+    """`windows` verified windows of `k` drafts, `accepted` of each accepted."""
+    for _ in range(windows):
+        planner.record(SpecWindow(start=0, index=0, num_drafts=k), accepted + 1)
+
+
 def test_default_rule_stops_drafting_that_does_not_pay():
     """Without a cost table invocations count as weight-bound (all cost the same): a window
     drafts K while the acceptance so far pays there, judged after JUDGE_AFTER drafts; declined
-    windows still draft every PROBE_EVERY-th time, to keep measuring."""
+    windows still draft about every PROBE_EVERY decode steps, to keep measuring, and the
+    estimate, which fades over MEMORY drafts, brings drafting back when the drafts get good."""
     r = rule(k=1, d=3)  # the prior (a = 0.7) does not pay: 1.7 tokens for 7 invocations, not 4
     assert r.num_drafts(1, 100) == 1
-    r.num_drafted, r.num_accepted = JUDGE_AFTER, JUDGE_AFTER  # all accepted: 2 for 7 pays
+    feed(r, JUDGE_AFTER, 1, 1)  # all accepted: 2 for 7 pays
     assert r.num_drafts(1, 100) == 1
     r = rule(k=4, d=1)
-    r.num_drafted, r.num_accepted = 100, 10  # a ~ 0.16: 1.19 tokens for 8 invocations
+    feed(r, 25, 4, 0)  # a ~ 0: 1 token for 8 invocations
+    # one window per decoding request and step: a probe every PROBE_EVERY steps at any load
     assert [r.num_drafts(1, 100) for _ in range(2 * PROBE_EVERY)].count(4) == 2
-    r.num_accepted = 90  # a ~ 0.85: 4.2 tokens for 8 invocations
-    assert r.num_drafts(1, 100) == 4
+    assert [r.num_drafts(8, 100) for _ in range(16 * PROBE_EVERY)].count(4) == 2
+    resumed = next(n for n in range(1, 100) if r.num_drafts(1, 100) or feed(r, 1, 4, 4))
+    assert MEMORY / 4 / 8 < resumed <= MEMORY / 4  # the old rejections fade out
+    assert r.as_dict()["spec_draft_tokens"] == 4 * (25 + resumed - 1)  # counters never fade
 
 
 def test_cost_table_rule():
@@ -139,7 +170,7 @@ def test_cost_table_rule():
     flat = rule(speculative_invocation_costs="1:1.0,512:1.0", speculative_max_decode_rows=1000)
     # prior acceptance a = 0.7, d = 1: (1 - a^(k+1)) / (1 - a) / (k + 4) peaks at k = 2
     assert flat.num_drafts(1, 100) == 2 and flat.num_drafts(100, 100) == 2
-    flat.num_drafted = flat.num_accepted = 10**6  # every draft accepted: the longest window
+    flat.recent_drafted = flat.recent_accepted = 10**6  # every draft accepted: the longest window
     assert flat.num_drafts(1, 100) == 4
     linear = rule(speculative_invocation_costs="1:1", speculative_max_decode_rows=1000)
     assert linear.cost(10) == 10 and linear.num_drafts(1, 100) == 0
@@ -147,7 +178,7 @@ def test_cost_table_rule():
     assert knee.cost(544) == pytest.approx(8.5)
     assert knee.num_drafts(1, 100) == 2 and knee.num_drafts(256, 100) == 0
     # the measured acceptance replaces the prior: all drafts rejected -> off
-    knee.num_drafted = 1000
+    knee.recent_drafted = 1000
     assert knee.num_drafts(1, 100) == 0
 
 

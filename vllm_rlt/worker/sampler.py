@@ -98,6 +98,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
 
+def all_greedy(params) -> bool:
+    """Whether every row of `params` (per-row settings objects, as `SamplingTensors.of` takes)
+    takes the argmax: then the caller needs no sampling tensors (host check, no device work)."""
+    return all(p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1 for p in params)
+
+
 def greedy_rows(t: SamplingTensors) -> torch.Tensor:
     """[N] bool: the rows that take the argmax."""
     return (t.temperature < GREEDY_TEMPERATURE_EPS) | (t.top_k == 1)

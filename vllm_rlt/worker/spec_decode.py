@@ -31,11 +31,11 @@ def salted(t: SamplingTensors, salt: int) -> torch.Tensor:
     return t.counters + (salt << _SALT_SHIFT)
 
 
-def draft_tokens(logits: torch.Tensor, t: SamplingTensors):
-    """Draft tokens of `logits` [N, V]: (token ids [N] int64, the draft distribution [N, V] fp32
-    (None when every row is greedy))."""
+def draft_tokens(logits: torch.Tensor, t: SamplingTensors | None):
+    """Draft tokens of `logits` [N, V] (`t` None: every row is greedy): (token ids [N] int64, the
+    draft distribution [N, V] fp32 (None when every row is greedy))."""
     greedy_ids = logits.argmax(dim=-1)
-    if t.all_greedy:
+    if t is None or t.all_greedy:
         return greedy_ids, None
     scaled = processed_logits(logits, t)
     vocab_ids = torch.arange(logits.shape[-1], device=logits.device)
@@ -49,7 +49,7 @@ def accept(
     drafts: torch.Tensor,
     draft_probs: torch.Tensor | None,
     num_drafts: torch.Tensor,
-    t: SamplingTensors,
+    t: SamplingTensors | None,
 ):
     """Accept a prefix of each window's drafts.
 
@@ -57,7 +57,8 @@ def accept(
     position j); drafts: [N, K] int64 draft tokens (column j-1: the token at window offset j);
     draft_probs: [N, K, V] fp32 the distributions they were drawn from (None: all greedy);
     num_drafts: [N] int64 drafts of each window (<= K; later columns are padding);
-    t: sampling tensors of the N * (K + 1) rows, row-major, counters = output index.
+    t: sampling tensors of the N * (K + 1) rows, row-major, counters = output index (None: every
+    row is greedy).
     Returns (tokens [N, K + 1] int64: the accepted drafts then one token of the target,
     counts [N] int64: how many of them are valid, 1..num_drafts + 1).
     """
@@ -67,9 +68,10 @@ def accept(
     target_greedy = flat.argmax(dim=-1).reshape(n, width)
     columns = torch.arange(k, device=logits.device)
     valid = columns[None, :] < num_drafts[:, None]
-    greedy = greedy_rows(t).reshape(n, width)
     ok = drafts == target_greedy[:, :k]
-    if not t.all_greedy:
+    random = t is not None and not t.all_greedy
+    if random:
+        greedy = greedy_rows(t).reshape(n, width)
         p = processed_logits(flat, t).softmax(dim=-1).reshape(n, width, vocab)
         p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
         q_draft = draft_probs.gather(-1, drafts[..., None])[..., 0]
@@ -80,7 +82,7 @@ def accept(
     num_accepted = ok.long().cumprod(dim=-1).sum(dim=-1)  # [N]
     last = num_accepted[:, None]  # column of the target's token
     final = target_greedy.gather(-1, last)[:, 0]
-    if not t.all_greedy:
+    if random:
         vocab_ids = torch.arange(vocab, device=logits.device)
         rejected = num_accepted < num_drafts
         stream = torch.where(rejected.repeat_interleave(width), RESIDUAL << _SALT_SHIFT, 0)

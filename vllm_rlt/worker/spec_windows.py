@@ -16,7 +16,7 @@ import torch
 
 from vllm_rlt.core.sched.execution_batch import DraftSample, SampledToken, VerifySample
 from vllm_rlt.tensor_utils import read_back, to_device
-from vllm_rlt.worker.sampler import SamplingTensors
+from vllm_rlt.worker.sampler import SamplingTensors, all_greedy
 from vllm_rlt.worker.spec_decode import accept, draft_tokens
 
 
@@ -37,18 +37,18 @@ class WindowTokens:
 
     def entry_tokens(self, slots: Sequence[int], offsets: Sequence[int]) -> torch.Tensor:
         """[N] int64 tokens of rows entering at depth 0 at window `offsets` of `slots`."""
-        slot_t = to_device(slots, torch.int64, self.device)
-        return self.tokens[slot_t, to_device(offsets, torch.int64, self.device)]
+        index = to_device([*slots, *offsets], torch.int64, self.device).view(2, -1)
+        return self.tokens[index[0], index[1]]
 
     def draft(self, drafts: Sequence[DraftSample], slots: list[int], hidden_rows: list[int],
               params: list, coda: Callable, buffer: torch.Tensor) -> None:  # fmt: skip
         """Sample `drafts` (request i: slot `slots[i]`, its state at flat row `hidden_rows[i]`,
         sampling settings `params[i]`) from the coda of those states."""
-        logits = coda(buffer[to_device(hidden_rows, torch.int64, self.device)])
-        tensors = SamplingTensors.of(params, [d.index for d in drafts], -1, self.device)
+        index = [*hidden_rows, *slots, *(d.offset for d in drafts)]
+        rows, slot_t, cols = to_device(index, torch.int64, self.device).view(3, -1)
+        logits = coda(buffer[rows])
+        tensors = self._tensors(params, [d.index for d in drafts])
         token_ids, probs = draft_tokens(logits, tensors)
-        slot_t = to_device(slots, torch.int64, self.device)
-        cols = to_device([d.offset for d in drafts], torch.int64, self.device)
         self.tokens[slot_t, cols] = token_ids
         if probs is not None:
             self.probs[slot_t, cols - 1] = probs
@@ -57,20 +57,22 @@ class WindowTokens:
                params: list, coda: Callable, buffer: torch.Tensor):  # fmt: skip
         """Accept `verifies` (request i: slot `slots[i]`, its window's rows from flat row
         `ring_rows[i]`, settings `params[i]`) on the coda of their final states. Returns a
-        callable that reads the accepted tokens back: request_id -> tuple of SampledToken."""
+        callable that reads the accepted tokens back: VerifySample -> tuple of SampledToken (keyed
+        by the window, not the request: a request's first token may be sampled in the same step)."""
         k = max(v.num_drafts for v in verifies)
         width = k + 1
         rows = [r + min(j, v.num_drafts) for v, r in zip(verifies, ring_rows, strict=True)
                 for j in range(width)]  # fmt: skip
-        logits = coda(buffer[to_device(rows, torch.int64, self.device)])
+        n = len(verifies)
+        index = to_device([*rows, *slots, *(v.num_drafts for v in verifies)], torch.int64,
+                          self.device)  # fmt: skip
+        logits = coda(buffer[index[: n * width]])
+        slot_t, num_drafts = index[n * width :].view(2, n)
         counters = [v.index + j for v in verifies for j in range(width)]
-        row_params = [p for p in params for _ in range(width)]
-        tensors = SamplingTensors.of(row_params, counters, -1, self.device)
-        slot_t = to_device(slots, torch.int64, self.device)
-        probs = None if tensors.all_greedy else self.probs[slot_t, :k]
-        num_drafts = to_device([v.num_drafts for v in verifies], torch.int64, self.device)
+        tensors = self._tensors([p for p in params for _ in range(width)], counters)
+        probs = None if tensors is None or tensors.all_greedy else self.probs[slot_t, :k]
         tokens, counts = accept(
-            logits.reshape(len(verifies), width, -1),
+            logits.reshape(n, width, -1),
             self.tokens[slot_t, 1:width],
             probs,
             num_drafts,
@@ -78,13 +80,17 @@ class WindowTokens:
         )
         self.set_newest(slot_t, tokens.gather(1, (counts - 1)[:, None])[:, 0])
         copied = read_back(tokens, counts)
-        req_ids = [v.request_id for v in verifies]
 
-        def to_host() -> dict[str, tuple[SampledToken, ...]]:
+        def to_host() -> dict[VerifySample, tuple[SampledToken, ...]]:
             host_tokens, host_counts = (t.tolist() for t in copied())
             return {
-                r: tuple(SampledToken(tok, None, ()) for tok in host_tokens[i][: host_counts[i]])
-                for i, r in enumerate(req_ids)
+                v: tuple(SampledToken(tok, None, ()) for tok in host_tokens[i][: host_counts[i]])
+                for i, v in enumerate(verifies)
             }
 
         return to_host
+
+    def _tensors(self, params: list, counters: list[int]) -> SamplingTensors | None:
+        """The sampling tensors of rows with settings `params` (None when all are greedy: the
+        draft and the acceptance then need only the argmax)."""
+        return None if all_greedy(params) else SamplingTensors.of(params, counters, -1, self.device)

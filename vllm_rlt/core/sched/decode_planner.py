@@ -110,10 +110,10 @@ class DecodePlanner:
                     continue
                 self.start(req, token, len(decoding))
             task = self._task(req)
-            if task is None or rows + task.num_tokens > budget:
+            if task is None or rows + task.most_rows > budget:
                 continue
             tasks.append(task)
-            rows += task.num_tokens
+            rows += task.most_rows
         return tasks, samples
 
     def _task(self, req: Request) -> ScheduledRequest | None:

@@ -5,7 +5,8 @@ then `loop_count` recurrent-core invocations over `requests`, each after the dra
 speculative windows (`drafts`) due before it, then the acceptance of the windows verified
 (`verifies`). Each invocation advances every live row one depth; a prefill task's rows drop out
 after depth D-1, and a drafting window's row moves to the window's next position at depth 0
-after each position's draft loops (`ExecutionBatch.live`). Decode and window rows run every
+after each position's draft loops, and after the last one's to the verify rows of every position
+(`ExecutionBatch.live`). Decode and window rows run every
 invocation of their batch: the scheduler gives a batch with such rows more than one loop only
 when none of them reaches a decision before the last.
 """
@@ -43,17 +44,35 @@ class ScheduledRequest:
     # a drafting window's row: the draft loops of each position (d); after them the row moves
     # on to the next position at depth 0 within the step. 0: the rows keep their positions
     draft_loops: int = 0
+    # a drafting window's positions (K + 1): after the last one's draft loops its row becomes
+    # the window's verify rows, every position from depth d on, within the step
+    window_rows: int = 0
+
+    @property
+    def most_rows(self) -> int:
+        """The most rows the task has in one invocation (a drafting row: its verify rows)."""
+        return max(self.num_tokens, self.window_rows)
 
     def at(self, invocation: int) -> ScheduledRequest:
         """A drafting row as it runs in invocation `invocation` (0-based) of its batch:
         `(depth + invocation) // draft_loops` positions (and ring rows) further, at depth
-        `(depth + invocation) % draft_loops`."""
+        `(depth + invocation) % draft_loops`; past the window's last position, its verify rows."""
         moved, depth = divmod(self.depth + invocation, self.draft_loops)
+        offset = self.prefill_hidden_row_offset + moved
+        if offset < self.window_rows:
+            return replace(
+                self, token_start=self.token_start + moved, depth=depth,
+                prefill_hidden_row_offset=offset,
+            )  # fmt: skip
+        verify_loops = (offset - self.window_rows) * self.draft_loops + depth
         return replace(
             self,
-            token_start=self.token_start + moved,
-            depth=depth,
-            prefill_hidden_row_offset=self.prefill_hidden_row_offset + moved,
+            token_start=self.token_start - self.prefill_hidden_row_offset,
+            num_tokens=self.window_rows,
+            depth=self.draft_loops + verify_loops,
+            prefill_hidden_row_offset=0,
+            draft_loops=0,
+            window_rows=0,
         )
 
     def state_span(self) -> StateSpan:
@@ -183,8 +202,9 @@ class SampledToken:
 class RunnerOutput:
     """What the scheduler needs back from a step (host data)."""
 
-    # request_id -> token sampled this step; a window verified in it: the accepted tokens
-    sampled: dict[str, SampledToken | tuple[SampledToken, ...]]
+    # request_id -> token sampled this step; a window verified in it (its VerifySample) -> the
+    # accepted tokens (a request may have both: its first token opens a window verified at once)
+    sampled: dict[str | VerifySample, SampledToken | tuple[SampledToken, ...]]
     # gate logits of the decode rows of the (single) invocation that `reads_gate`, in plan order
     decode_gate_logits: tuple[float, ...]
 

@@ -5,7 +5,8 @@
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
       unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
       gate: then it runs to the first row's decision (fixed depth: the remaining depths; a
-      drafting window: all its positions' draft loops), no scheduling decision between them;
+      speculative window: the rest of its draft and verify loops), no scheduling decision
+      between them;
   R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
   R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
       (its planes must be written first): one loop;

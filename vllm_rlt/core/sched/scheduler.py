@@ -132,7 +132,7 @@ class Scheduler:
         elif mixed:
             self._prefill_turn = False
             decode_tasks, samples = self.decode.plan(self.running, budget)
-            prefill_budget = budget - sum(t.num_tokens for t in decode_tasks)
+            prefill_budget = budget - sum(t.most_rows for t in decode_tasks)
             cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
             prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
@@ -348,7 +348,8 @@ class Scheduler:
         self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
     def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
-        """The tokens `batch` sampled (request_id -> SampledToken), oldest unread first: stop
+        """The tokens `batch` sampled (request_id -> SampledToken; VerifySample -> the accepted
+        tokens), oldest unread first: stop
         checks; a request that finished meanwhile ignores its later tokens. Returns the requests
         that got a token."""
         touched = []
@@ -360,7 +361,7 @@ class Scheduler:
         for verify in batch.verifies:
             req = self.requests.get(verify.request_id)
             if req is not None and req.spec is not None and req.spec.verified:
-                self._accept(req, sampled[verify.request_id])
+                self._accept(req, sampled[verify])
                 touched.append(req)
         return touched
 

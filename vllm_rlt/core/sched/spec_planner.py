@@ -6,14 +6,17 @@ A window starts at the newest sampled token (position `start`). Each of its `K +
 runs the draft loops (depths 0..d-1) in turn, as one drafting row that moves to the next
 position after each position's d loops (`ScheduledRequest.draft_loops`); before the next
 position enters at depth 0 the runner samples its draft token from the state the previous one
-reached (`DraftSample`, with the invocation it precedes). Its decision is the end of drafting:
-a decode-only step runs all its remaining draft loops at once (R1), a step of one loop (beside
-prefill) one of them. Then the `K + 1` positions run depths d..D-1 together (verify); after the
-step whose invocations finish them, the runner accepts a prefix of the drafts plus one token
-(`VerifySample`) and the scheduler appends the accepted tokens once they are read back.
+reached (`DraftSample`, with the invocation it precedes). Then the `K + 1` positions run depths
+d..D-1 together (verify); after the step whose invocations finish them, the runner accepts a
+prefix of the drafts plus one token (`VerifySample`) and the scheduler appends the accepted
+tokens once they are read back. That acceptance is the window's only decision: a decode-only
+step runs the whole window at once (R1; the drafting row turns into the verify rows within the
+step, `ScheduledRequest.at`), a step of one loop (beside prefill) one loop of it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from vllm_rlt.config import SpeculativeConfig
 from vllm_rlt.core.sched.execution_batch import (
@@ -26,8 +29,9 @@ from vllm_rlt.request import DecodeToken, Request, SpecWindow
 
 PRIOR_ACCEPTANCE = 0.7  # the adaptive rule's acceptance rate before any draft was verified
 PRIOR_WEIGHT = 8  # drafts the prior counts as
+MEMORY = 64  # drafts the rule's acceptance estimate remembers (older ones fade geometrically)
 JUDGE_AFTER = 16  # the rule without a cost table turns speculation off only after this many drafts
-PROBE_EVERY = 64  # ... and then still opens every this-many-th window, to follow the workload
+PROBE_EVERY = 256  # ... and then still opens a window about every this many decode steps
 
 
 class SpecPlanner:
@@ -42,7 +46,9 @@ class SpecPlanner:
         self.num_windows = 0  # windows verified and read back
         self.num_drafted = 0  # draft tokens those windows verified
         self.num_accepted = 0  # draft tokens accepted (each window also emits one target token)
-        self.num_declined = 0  # windows the rule without a cost table turned off
+        self.recent_drafted = 0.0  # the same two counts, faded over the last ~MEMORY drafts
+        self.recent_accepted = 0.0
+        self.num_declined = 0  # windows the rule without a cost table turned off since a probe
 
     # ---- the adaptive rule ------------------------------------------------------------------
     def num_drafts(self, num_decoding: int, remaining: int) -> int:
@@ -60,18 +66,22 @@ class SpecPlanner:
         """The rule without a cost table (invocations weight-bound, all costing the same):
         whether a window drafts `k`. It does while the acceptance so far makes `k` drafts pay
         against plain decoding, or before `JUDGE_AFTER` drafts were verified; when it does not,
-        every `PROBE_EVERY`-th window drafts anyway, so that the acceptance keeps being measured."""
+        a window drafts anyway about every `PROBE_EVERY` decode steps (one window declined per
+        decoding request and step), so that the acceptance keeps being measured."""
         if self.num_drafted < JUDGE_AFTER:
             return True
         if self.tokens_per_cost(k, num_decoding) > 1 / self.num_loops:
             return True
         self.num_declined += 1
-        return self.num_declined % PROBE_EVERY == 0
+        if self.num_declined < PROBE_EVERY * num_decoding:
+            return False
+        self.num_declined = 0
+        return True
 
     def acceptance(self) -> float:
-        """Acceptance rate per draft so far, starting from the prior."""
+        """Acceptance rate per draft over the last ~`MEMORY` drafts, starting from the prior."""
         prior = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-        return (self.num_accepted + prior) / (self.num_drafted + PRIOR_WEIGHT)
+        return (self.recent_accepted + prior) / (self.recent_drafted + PRIOR_WEIGHT)
 
     def tokens_per_cost(self, k: int, rows: int) -> float:
         """The cost model: expected tokens per window over the window's invocation costs when
@@ -121,6 +131,7 @@ class SpecPlanner:
             return ScheduledRequest(
                 req.request_id, RowKind.SPEC, position, 1, w.loops_done,
                 prefill_hidden_row_offset=w.offset, draft_loops=self.draft_loops,
+                window_rows=w.num_drafts + 1,
             )  # fmt: skip
         depth = self.draft_loops + w.loops_done
         return ScheduledRequest(
@@ -129,20 +140,25 @@ class SpecPlanner:
         )  # fmt: skip
 
     def loops_to_decision(self, w: SpecWindow) -> int:
-        """Loops the window's rows run before the scheduler has something to do for them: the
-        rest of the drafting (every remaining position's draft loops), or of the verify."""
+        """Loops the window's rows run before the scheduler has something to do for them (its
+        acceptance): the rest of the drafting (every remaining position's draft loops) and of
+        the verify."""
+        verify = self.num_loops - self.draft_loops
         if w.verifying:
-            return self.num_loops - self.draft_loops - w.loops_done
-        return (w.num_drafts + 1 - w.offset) * self.draft_loops - w.loops_done
+            return verify - w.loops_done
+        return (w.num_drafts + 1 - w.offset) * self.draft_loops - w.loops_done + verify
 
     def advance(self, w: SpecWindow, loops: int) -> None:
-        """The window's rows ran `loops` loops (drafting: across positions)."""
-        if w.verifying:
-            w.loops_done += loops
-            w.verified = w.loops_done == self.num_loops - self.draft_loops
-            return
-        moved, w.loops_done = divmod(w.loops_done + loops, self.draft_loops)
-        w.offset += moved
+        """The window's rows ran `loops` loops (drafting: across positions, into the verify)."""
+        if not w.verifying:
+            done = w.offset * self.draft_loops + w.loops_done + loops
+            drafting = (w.num_drafts + 1) * self.draft_loops
+            if done < drafting:
+                w.offset, w.loops_done = divmod(done, self.draft_loops)
+                return
+            w.offset, w.loops_done, loops = w.num_drafts + 1, 0, done - drafting
+        w.loops_done += loops
+        w.verified = w.loops_done == self.num_loops - self.draft_loops
 
     def samples(self, tasks, loops: int, requests: dict[str, Request]):
         """The draft samples of this step (each before the invocation in which a drafting row
@@ -153,12 +169,14 @@ class SpecPlanner:
             if t.kind is not RowKind.SPEC:
                 continue
             w = requests[t.request_id].spec
-            if w.verifying and t.depth + loops == self.num_loops:
+            # the window's rows in the step's last invocation: verify rows at the last depth?
+            last = t.at(loops - 1) if t.draft_loops else replace(t, depth=t.depth + loops - 1)
+            if not last.draft_loops and last.depth == self.num_loops - 1:
                 verifies.append(VerifySample(t.request_id, w.num_drafts, w.index + 1))
             for i in range(loops if t.draft_loops else 0):
                 row = t.at(i)
                 offset = row.prefill_hidden_row_offset
-                if row.depth == 0 and offset:
+                if row.draft_loops and row.depth == 0 and offset:
                     drafts.append(DraftSample(t.request_id, offset, w.index + offset, i))
         return tuple(drafts), tuple(verifies)
 
@@ -179,3 +197,6 @@ class SpecPlanner:
         self.num_windows += 1
         self.num_drafted += w.num_drafts
         self.num_accepted += num_tokens - 1
+        fade = (1 - 1 / MEMORY) ** w.num_drafts
+        self.recent_drafted = self.recent_drafted * fade + w.num_drafts
+        self.recent_accepted = self.recent_accepted * fade + num_tokens - 1
