@@ -1,5 +1,6 @@
-"""/tokenize, /detokenize, /version, logprobs counts (chat and completions) and the one error
-shape of every status the server answers, over real HTTP."""
+"""/tokenize, /detokenize, /version, logprobs counts (chat and completions), logprob tokens as
+ids (`return_tokens_as_token_ids`) and the one error shape of every status the server answers,
+over real HTTP."""
 
 from __future__ import annotations
 
@@ -133,6 +134,50 @@ def test_completion_logprobs_give_n_most_likely_plus_the_sampled_token(client, n
             assert all(logprob <= v for v in top.values())
             outside += 1
     assert outside or num == 0
+
+
+def _ids(names: list[str]) -> list[int]:
+    assert all(n.startswith("token_id:") for n in names), names
+    return [int(n.removeprefix("token_id:")) for n in names]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_names_completion_logprob_tokens_by_id(server, client, stream):
+    """vLLM's `return_tokens_as_token_ids`: logprob tokens (echoed prompt included) and their
+    top keys come back as `token_id:N`; the same ids as the text of a plain request."""
+    prompt = [5, 17, 42, 99]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    plain = client.completions.create(**kw).choices[0]
+    as_ids = {**kw["extra_body"], "return_tokens_as_token_ids": True}
+    if stream:
+        chunks = client.completions.create(stream=True, **{**kw, "extra_body": as_ids})
+        lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+        tops = [t for lp in lps for t in lp.top_logprobs]
+    else:
+        lp = client.completions.create(**{**kw, "extra_body": as_ids}).choices[0].logprobs
+        tokens, tops = lp.tokens, lp.top_logprobs
+    ids = _ids(tokens)
+    assert ids[:4] == prompt and len(ids) == 12
+    text = _post(server, "/detokenize", {"tokens": ids[4:]}).json()["prompt"]
+    assert text == "".join(plain.logprobs.tokens[4:]) and plain.text.endswith(text)
+    for name, top in zip(tokens[4:], tops[4:], strict=True):
+        _ids(list(top))
+        assert name in top and 1 <= len(top) <= 3
+
+
+def test_return_tokens_as_token_ids_in_chat_logprobs(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+              top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    plain = client.chat.completions.create(**kw).choices[0].logprobs.content
+    kw["extra_body"]["return_tokens_as_token_ids"] = True
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [t.bytes for t in content] == [t.bytes for t in plain]  # bytes: the token's text
+    assert [t.logprob for t in content] == [t.logprob for t in plain]
+    for t in content:
+        _ids([t.token, *(top.token for top in t.top_logprobs)])
+        assert t.token == t.top_logprobs[0].token  # greedy: the most likely
 
 
 # ---- errors ----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI-compatible API (requests validated strictly, responses built
 from plain fields). Looped-model extensions: `min_loops`, `max_loops`, `exit_threshold`, and
-Huginn's `init_scale`."""
+Huginn's `init_scale`; vLLM's `return_tokens_as_token_ids` (logprob tokens as `token_id:N`)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ class _SamplingFields(_Request):
     max_loops: int | None = None
     exit_threshold: float | None = None
     init_scale: float | None = None
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

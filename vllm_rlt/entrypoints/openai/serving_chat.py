@@ -61,15 +61,18 @@ def render_messages(
 
 
 def _logprobs(
-    state: ServerState, ids: list[int], lps: list[dict[int, float]], num_top: int
+    state: ServerState, ids: list[int], lps: list[dict[int, float]], num_top: int, as_ids: bool
 ) -> ChatLogProbs:
     """Per token: the sampled token's logprob and the `num_top` most likely tokens, most likely
     first (the sampled token among them when it is one of them). The engine reports the sampled
-    token and the `num_top` most likely, so the first `num_top` by logprob are those."""
+    token and the `num_top` most likely, so the first `num_top` by logprob are those. `as_ids`:
+    tokens named `token_id:N` (`bytes` stay the token's text)."""
 
     def entry(tok: int, lp: float) -> ChatTopLogprob:
         text = state.token_text(tok)
-        return ChatTopLogprob(token=text, logprob=lp, bytes=list(text.encode()))
+        return ChatTopLogprob(
+            token=state.token_name(tok, as_ids), logprob=lp, bytes=list(text.encode())
+        )
 
     content = []
     for tok, alts in zip(ids, lps, strict=True):
@@ -98,7 +101,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             raise APIError(400, msg, param="max_completion_tokens")
     if max_tokens is None:  # the rest of the context
         max_tokens = max(1, state.max_model_len - len(ids))
-    num_top = req.top_logprobs or 0
+    num_top, as_ids = req.top_logprobs or 0, req.return_tokens_as_token_ids
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if not 0 <= num_top <= MAX_LOGPROBS:
@@ -124,7 +127,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         ChatChoice(
             index=c.index,
             message=ChatResponseMessage(role="assistant", content=c.text),
-            logprobs=_logprobs(state, c.token_ids, c.logprobs, num_top) if req.logprobs else None,
+            logprobs=_logprobs(state, c.token_ids, c.logprobs, num_top, as_ids)
+            if req.logprobs
+            else None,
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             exit_depths=c.exit_depths,
@@ -142,7 +147,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 async def _stream(
     state: ServerState, req: ChatCompletionRequest, sub: Submission, raw
 ) -> AsyncIterator[str]:
-    num_top = req.top_logprobs or 0
+    num_top, as_ids = req.top_logprobs or 0, req.return_tokens_as_token_ids
 
     def chunk(choices, use=None) -> str:
         resp = ChatCompletionResponse(
@@ -171,7 +176,7 @@ async def _stream(
                 lp = None
                 if req.logprobs:
                     lps = comp.logprobs[start:end]
-                    lp = _logprobs(state, comp.token_ids[start:end], lps, num_top)
+                    lp = _logprobs(state, comp.token_ids[start:end], lps, num_top, as_ids)
                 delta = ChatResponseMessage(content=text)
                 choice = ChatStreamChoice(
                     index=comp.index, delta=delta, logprobs=lp, finish_reason=comp.finish_reason

@@ -71,6 +71,11 @@ class ServerState:
         tok = self.tokenizer
         return tok.decode([token_id], skip_special_tokens=False) if tok is not None else ""
 
+    def token_name(self, token_id: int, as_id: bool) -> str:
+        """How a logprobs entry names a token: its text, or `token_id:N` with vLLM's
+        `return_tokens_as_token_ids` (exact, and defined without a tokenizer)."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
 
 async def read_json(
     request: Request, model: type[BaseModel], max_bytes: int, timeout_s: float

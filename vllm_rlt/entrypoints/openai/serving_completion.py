@@ -46,8 +46,8 @@ def _prompts(state: ServerState, prompt) -> list[list[int]]:
 class _Logprobs:
     """Legacy completions logprobs for a range of a choice's tokens; keeps each choice's offset."""
 
-    def __init__(self, state: ServerState):
-        self.state = state
+    def __init__(self, state: ServerState, as_ids: bool):
+        self.state, self.as_ids = state, as_ids
         self.offset: dict[int, int] = {}
 
     def build(
@@ -55,9 +55,10 @@ class _Logprobs:
     ) -> CompletionLogProbs:
         out = CompletionLogProbs()
         offset = self.offset.get(index, 0)
+        name = self.state.token_name
         for i, tok in enumerate(ids):
             text = self.state.token_text(tok)
-            out.tokens.append(text)
+            out.tokens.append(name(tok, self.as_ids))
             out.text_offset.append(offset)
             offset += len(text)
             if lps is None:  # echoed prompt tokens: the engine computes no prompt logprobs
@@ -66,8 +67,8 @@ class _Logprobs:
                 continue
             entry = lps[i]
             out.token_logprobs.append(entry[tok])
-            top = {self.state.token_text(t): lp for t, lp in entry.items() if t != tok}
-            top[text] = entry[tok]  # two ids may decode alike: the sampled token's entry wins
+            top = {name(t, self.as_ids): lp for t, lp in entry.items() if t != tok}
+            top[name(tok, self.as_ids)] = entry[tok]  # two ids may decode alike: this one wins
             out.top_logprobs.append(top)
         self.offset[index] = offset
         return out
@@ -119,7 +120,7 @@ class _Context:
             n,
         )
         self.model = state.served_model_name
-        self.logprobs = _Logprobs(state)
+        self.logprobs = _Logprobs(state, req.return_tokens_as_token_ids)
 
     def _prompt_text(self, i: int) -> str:
         p = self.req.prompt
