@@ -44,6 +44,29 @@ SETUPS = {
 START_TIMEOUT_S = 600.0  # a server's engines load, capture graphs and join their group
 
 
+def engine_flags(smoke: bool, chunk: int, kv_cache_gb: float) -> list[str]:
+    """What every engine of a setup runs with: the shape's dummy weights at fixed depth, WCPB
+    with `chunk`; bf16 on CUDA, or fp32 on the CPU with `smoke`."""
+    dtype, device = ("float32", "cpu") if smoke else ("bfloat16", "cuda")
+    return [
+        "--load-format", "dummy", "--dtype", dtype, "--device", device, "--exit-threshold", "1",
+        "--wavefront-chunked-prefill", "--prefill-chunk-size", str(chunk),
+        "--kv-cache-memory-gb", str(kv_cache_gb),
+    ]  # fmt: skip
+
+
+def run_meta(module: str, argv: list[str] | None, args: argparse.Namespace) -> dict:
+    """A results file's provenance: the command, commit, engine digest, GPUs and arguments."""
+    return {
+        "command": f"python -m {module} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": commit(),
+        "engine_sha256": engine_digest(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "args": {k: v for k, v in vars(args).items() if k != "engine_flags"},
+    }
+
+
 def transfer_counters(base_url: str) -> dict[str, float]:
     """The server's `vllm_rlt:pd_*` counters (none for a server without disaggregation)."""
     text = httpx.get(base_url + "/metrics", timeout=30).text
@@ -132,15 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU, few requests")
     args = p.parse_args(argv)
-    dtype, device = ("float32", "cpu") if args.smoke else ("bfloat16", "cuda")
     if args.smoke:
         args.shape, args.rates, args.input_lens, args.output_len = "tiny", [20.0], [48], 4
         args.num_requests, args.kv_cache_gb = 6, 0.1
-    args.engine_flags = [
-        "--load-format", "dummy", "--dtype", dtype, "--device", device, "--exit-threshold", "1",
-        "--wavefront-chunked-prefill", "--prefill-chunk-size", str(args.chunk),
-        "--kv-cache-memory-gb", str(args.kv_cache_gb),
-    ]  # fmt: skip
+    args.engine_flags = engine_flags(args.smoke, args.chunk, args.kv_cache_gb)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,16 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         vocab = SHAPES[args.shape]["vocab_size"]
         for setup in args.setups:
             runs += run_setup(args, setup, model_dir, vocab)
-    meta = {
-        "command": "python -m benchmarks.pd_arrival "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "commit": commit(),
-        "engine_sha256": engine_digest(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "torch": torch.__version__,
-        "args": {k: v for k, v in vars(args).items() if k != "engine_flags"},
-    }
-    out = {"meta": meta, "runs": runs}
+    out = {"meta": run_meta("benchmarks.pd_arrival", argv, args), "runs": runs}
     Path(args.out).write_text(json.dumps(out, indent=1))
     return out
 
