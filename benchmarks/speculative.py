@@ -2,10 +2,11 @@
 
 `packaged`: the packaged tiny-ouro-stdlib at fixed depth (exit threshold 1), prompts cut from
 the Python standard library's sources (the model's domain), greedy forced outputs. For each
-concurrency c, 2c requests at once to an engine of max_num_seqs = c, speculation off and every
-(d, K) of `--draft-loops` x `--drafts`, interleaved over `--repeats` rounds (one engine per
-setting, sharing the weights, warmed up first): output tokens/s (median), acceptance rate and
-mean accepted length, speedup over off (of the medians, and the median of each round's ratio).
+concurrency c, `--seats` x c requests (default 2c) at once to an engine of max_num_seqs = c,
+speculation off and every (d, K) of `--draft-loops` x `--drafts`, interleaved over `--repeats`
+rounds (one engine per setting, sharing the weights, warmed up first): output tokens/s
+(median), acceptance rate and mean accepted length, speedup over off (of the medians, and the
+median of each round's ratio).
 
 `cost`: a model shape with dummy weights (default Ouro-1.4B): the device time of decode-only
 recurrent-core invocations by rows (`InvocationTimer`), measured with speculation on (draft
@@ -96,7 +97,7 @@ def run_packaged(args) -> list[dict]:
         tokenizer = next(iter(engines.values())).tokenizer
         runs = {key: [] for key in engines}
         for rep in range(args.repeats + 1):  # round 0 warms up (compiles, captures)
-            prompts = stdlib_prompts(tokenizer, 2 * c, args.prompt_len, seed=rep)
+            prompts = stdlib_prompts(tokenizer, args.seats * c, args.prompt_len, seed=rep)
             for key, engine in engines.items():
                 result = timed_run(engine, prompts, args.output_len)
                 if rep:
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.8, 0.9])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--seats", type=int, default=2,
+        help="packaged: requests per seat (c seats) in each run; more make longer, steadier runs",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-gb", type=float, default=8.0)
     add_async_scheduling_flag(p)
