@@ -6,9 +6,9 @@ speculative windows (`drafts`) due before it, then the acceptance of the windows
 (`verifies`). Each invocation advances every live row one depth; a prefill task's rows drop out
 after depth D-1, and a drafting window's row moves to the window's next position at depth 0
 after each position's draft loops, and after the last one's to the verify rows of every position
-(`ExecutionBatch.live`). Decode and window rows run every
-invocation of their batch: the scheduler gives a batch with such rows more than one loop only
-when none of them reaches a decision before the last.
+(`ExecutionBatch.live`). Decode and window rows run every invocation of their batch: the
+scheduler gives a batch with such rows more than one loop only when none of them reaches a
+decision before the last.
 """
 
 from __future__ import annotations

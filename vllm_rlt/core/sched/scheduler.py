@@ -349,9 +349,8 @@ class Scheduler:
 
     def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
         """The tokens `batch` sampled (request_id -> SampledToken; VerifySample -> the accepted
-        tokens), oldest unread first: stop
-        checks; a request that finished meanwhile ignores its later tokens. Returns the requests
-        that got a token."""
+        tokens), oldest unread first: stop checks; a request that finished meanwhile ignores its
+        later tokens. Returns the requests that got a token."""
         touched = []
         for req_id in batch.sample_req_ids:
             req = self.requests.get(req_id)
