@@ -74,6 +74,11 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
+def samples_greedily(temperature: float, top_k: int) -> bool:
+    """Whether these settings reduce sampling to argmax (temperature below 1e-5, or top_k == 1)."""
+    return temperature < GREEDY_TEMPERATURE_EPS or top_k == 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions to return for the prompt (>= 1)
@@ -163,7 +168,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0, or below 1e-5, or top_k == 1)."""
-        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+        return samples_greedily(self.temperature, self.top_k)
 
     def validate_for_model(self, num_loops: int, vocab_size: int) -> None:
         """Check what depends on the model: the loop bounds against its depth D = `num_loops`

@@ -54,10 +54,7 @@ class PrefillRole(_Role):
                 self.handle(msg.Abort(job.order.handle))
 
     def _add(self, order: msg.Prefill) -> None:
-        try:
-            self.engine.add_request(order.request_id, list(order.prompt_token_ids), order.params)
-        except ValueError as err:
-            self.conn.send(msg.Rejected(order.handle, str(err), invalid=True))
+        if not self.admit(order):
             return
         self.jobs[order.request_id] = _Job(order, order.skip_blocks)
         self.by_handle[order.handle] = order.request_id

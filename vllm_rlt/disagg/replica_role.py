@@ -16,10 +16,7 @@ class ReplicaRole(StreamingRole):
             self.abort_active(message.handle)
 
     def _generate(self, order: msg.Generate) -> None:
-        try:
-            self.engine.add_request(order.request_id, list(order.prompt_token_ids), order.params)
-        except ValueError as err:
-            self.conn.send(msg.Rejected(order.handle, str(err), invalid=True))
+        if not self.admit(order):
             return
         self.active[order.request_id] = order.handle
         self.conn.send(msg.Accepted(order.handle))

@@ -146,6 +146,16 @@ class _Role:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
 
+    def admit(self, order) -> bool:
+        """Add the request of `order` (a `Prefill` or `Generate`) to the engine; one the engine
+        refuses is `Rejected` as invalid (False)."""
+        try:
+            self.engine.add_request(order.request_id, list(order.prompt_token_ids), order.params)
+        except ValueError as err:
+            self.conn.send(msg.Rejected(order.handle, str(err), invalid=True))
+            return False
+        return True
+
     def run(self) -> None:
         """The loop, until `Shutdown` or until the front end is gone (its pipe closed)."""
         with torch.inference_mode(), contextlib.suppress(EOFError, OSError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS
+from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS, samples_greedily
 from vllm_rlt.tensor_utils import counter_uniform, to_device
 
 
@@ -101,7 +101,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
 def all_greedy(params) -> bool:
     """Whether every row of `params` (per-row settings objects, as `SamplingTensors.of` takes)
     takes the argmax: then the caller needs no sampling tensors (host check, no device work)."""
-    return all(p.temperature < GREEDY_TEMPERATURE_EPS or p.top_k == 1 for p in params)
+    return all(samples_greedily(p.temperature, p.top_k) for p in params)
 
 
 def greedy_rows(t: SamplingTensors) -> torch.Tensor:

@@ -16,8 +16,6 @@ step, `ScheduledRequest.at`), a step of one loop (beside prefill) one loop of it
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from vllm_rlt.config import SpeculativeConfig
 from vllm_rlt.core.sched.execution_batch import (
     DraftSample,
@@ -169,9 +167,12 @@ class SpecPlanner:
             if t.kind is not RowKind.SPEC:
                 continue
             w = requests[t.request_id].spec
-            # the window's rows in the step's last invocation: verify rows at the last depth?
-            last = t.at(loops - 1) if t.draft_loops else replace(t, depth=t.depth + loops - 1)
-            if not last.draft_loops and last.depth == self.num_loops - 1:
+            if t.draft_loops:  # the rows of the step's last invocation: verify rows, last depth?
+                last = t.at(loops - 1)
+                verified = not last.draft_loops and last.depth == self.num_loops - 1
+            else:
+                verified = t.depth + loops == self.num_loops
+            if verified:
                 verifies.append(VerifySample(t.request_id, w.num_drafts, w.index + 1))
             for i in range(loops if t.draft_loops else 0):
                 row = t.at(i)
