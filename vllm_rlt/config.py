@@ -199,8 +199,10 @@ class SchedulerConfig:
     )
     max_prefill_rows_per_decode_token: int | None = field_help(
         "latency rule: a decode token rides at most this many prefill rows summed over the "
-        "invocations of its loops; its other loops run in decode-only invocations, so fewer, "
-        "shorter gaps between tokens wait for prefill (default: no limit)",
+        "invocations of its loops, while the engine holds fewer requests than max_num_seqs; "
+        "its other loops run in decode-only invocations, so fewer, shorter gaps between tokens "
+        "wait for prefill (default: half of max_num_batched_tokens with WCPB, one capped "
+        "invocation, otherwise no limit)",
         default=None,
     )
     max_context_with_decode: int = field_help(
@@ -242,6 +244,17 @@ class SchedulerConfig:
         (docs/benchmarks/wcpb-matrix.md §4)."""
         if self.max_prefill_rows_with_decode is not None:
             return self.max_prefill_rows_with_decode
+        if self.wavefront_chunked_prefill:
+            return max(1, self.max_num_batched_tokens // 2)
+        return None
+
+    @property
+    def prefill_rows_per_decode_token(self) -> int | None:
+        """The ride limit `max_prefill_rows_per_decode_token` puts in force (None: none). WCPB's
+        default lets a token ride one invocation's cap of prefill rows: in the matrix's arrival
+        cells that keeps its ITL tail at Split's (docs/benchmarks/wcpb-matrix.md §3)."""
+        if self.max_prefill_rows_per_decode_token is not None:
+            return self.max_prefill_rows_per_decode_token
         if self.wavefront_chunked_prefill:
             return max(1, self.max_num_batched_tokens // 2)
         return None

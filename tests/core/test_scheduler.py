@@ -201,11 +201,14 @@ def test_decode_rows_cap_the_prefill_rows_beside_them(cap, want):
 
 
 def test_only_wcpb_caps_prefill_rows_beside_decode_rows_by_default():
+    """Both latency rules: per invocation, and per decode token (the ride limit)."""
     wcpb = SchedulerConfig(max_num_batched_tokens=1024, wavefront_chunked_prefill=True)
-    assert wcpb.prefill_rows_with_decode == 512
-    assert SchedulerConfig(max_num_batched_tokens=1024).prefill_rows_with_decode is None
-    explicit = replace(wcpb, max_prefill_rows_with_decode=1024)
+    split = SchedulerConfig(max_num_batched_tokens=1024)
+    assert wcpb.prefill_rows_with_decode == wcpb.prefill_rows_per_decode_token == 512
+    assert split.prefill_rows_with_decode is split.prefill_rows_per_decode_token is None
+    explicit = replace(wcpb, max_prefill_rows_with_decode=1024, max_prefill_rows_per_decode_token=9)
     assert explicit.prefill_rows_with_decode == 1024  # a user's value wins
+    assert explicit.prefill_rows_per_decode_token == 9
 
 
 @pytest.mark.parametrize(("seats", "most"), [(3, 8), (2, D * 8)])
@@ -325,10 +328,12 @@ def test_wavefront_new_chunks_enter_one_per_request_per_round():
 @pytest.mark.parametrize("wavefront", [True, False])
 def test_rule7_decode_and_long_prefill_take_turns(wavefront):
     """Past `max_context_with_decode` decode steps (every loop, decode rows only) and prefill
-    batches of the whole budget alternate; below it decode rows ride prefill batches."""
+    batches of the whole budget alternate; below it decode rows ride prefill batches (all
+    their loops: no ride limit here)."""
     s = scheduler(
         max_num_seqs=3, max_num_batched_tokens=16, prefill_chunk_size=8,
         wavefront_chunked_prefill=wavefront, max_context_with_decode=40,
+        max_prefill_rows_per_decode_token=16 * D,
     )  # fmt: skip
     s.add_request(request("a", 8, max_tokens=30))
     while s.requests["a"].ready_loops is None:

@@ -67,9 +67,9 @@ class DecodePlanner:
         """The most prefill rows an invocation with the decode rows `tasks` takes (None: no
         limit): `prefill_rows_with_decode`, and, while the engine holds fewer requests (running
         and waiting) than `max_num_seqs`, what the most ridden decode token among them has left
-        of `max_prefill_rows_per_decode_token`. With every seat wanted, throughput comes first:
+        of `prefill_rows_per_decode_token`. With every seat wanted, throughput comes first:
         a prefill held back keeps its seat from decoding."""
-        cap, per_token = config.prefill_rows_with_decode, config.max_prefill_rows_per_decode_token
+        cap, per_token = config.prefill_rows_with_decode, config.prefill_rows_per_decode_token
         if not tasks or per_token is None or len(requests) >= config.max_num_seqs:
             return cap if tasks else None
         tokens = [requests[t.request_id].decode for t in tasks]

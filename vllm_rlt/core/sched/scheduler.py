@@ -3,8 +3,9 @@
 Invariant of `schedule()`: every row of the plan's first invocation counts against
 `max_num_batched_tokens`; decode rows come before prefill tasks, and a batch with decode rows
 takes at most `prefill_rows_with_decode` prefill rows (a latency rule: decode rows wait for every
-row of their invocation; WCPB's default: half the budget), nor, opt-in, more than its decode
-tokens have left of `max_prefill_rows_per_decode_token` (`DecodePlanner.prefill_rows_beside`).
+row of their invocation; WCPB's default: half the budget), nor, while a seat is free, more than
+its decode tokens have left of `prefill_rows_per_decode_token` (WCPB's default: the same half;
+`DecodePlanner.prefill_rows_beside`).
 
 KV (`_place`): the plan is made first, then the blocks it writes are allocated, plane by plane
 (each task's positions in the planes of the depths it runs, each exited token's skipped planes).
@@ -137,7 +138,7 @@ class Scheduler:
             prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
             tasks, loops = self._place(decode_tasks, prefill_tasks, samples, admitted)
-            if self.config.max_prefill_rows_per_decode_token is not None:
+            if self.config.prefill_rows_per_decode_token is not None:
                 self.decode.record_ride(tasks, self.requests, loops)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
