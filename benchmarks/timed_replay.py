@@ -3,7 +3,7 @@ each mode) against the matrix's workload (`build_workload`, its arrival times an
 clock advanced by a fitted per-invocation cost model. Predictions, not measurements.
 
     python -m benchmarks.timed_replay --cells 10 11 --num-requests 100 --seeds 0 1 2
-    python -m benchmarks.timed_replay --cells 2 3 8 9 10 11 --modes split wcpb wcpb-ride
+    python -m benchmarks.timed_replay --cells 2 3 8 9 10 11 --modes split wcpb-noride wcpb
     python -m benchmarks.timed_replay --cells 11 --candidate apart '{"max_context_with_decode": 0}'
 
 Clocks (the engine's async scheduling): the host schedules and queues step N (`--host-ms`),

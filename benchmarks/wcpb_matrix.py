@@ -21,7 +21,8 @@ cap on prefill rows beside decode rows and its ride limit are half the budget); 
 WCPB whose invocations with decode rows take at most `--wcpb-cap` prefill rows
 (`max_prefill_rows_with_decode`; the budget turns the cap off); `wcpb-ride` sets WCPB's ride
 limit (`max_prefill_rows_per_decode_token`: prefill rows a decode token rides while a seat is
-free) to 512 explicitly, the default at the matrix's budget; `unchunked` is refill
+free) to 512 explicitly, the default at the matrix's budget, and `wcpb-noride` lifts it;
+`unchunked` is refill
 scheduling with one chunk = the budget. `--profiles` and `--inputs` pick the cells; the
 long-prompt mix (docs/benchmarks/long-prompts.md):
 
@@ -69,10 +70,16 @@ MODES = {
     # runs from before it was the default compare with WCPB (docs/benchmarks/wcpb-matrix.md §3)
     "wcpb-cap": WCPB,
     "wcpb-ride": {**WCPB, "max_prefill_rows_per_decode_token": 512},
+    "wcpb-noride": {**WCPB, "max_prefill_rows_per_decode_token": 1 << 30},  # more than any rides
 }
 DEFAULT_MODES = ("atomic", "split", "wcpb")
 # modes compared with Split (and unchunked), with their titles
-WAVEFRONT_MODES = {"wcpb": "WCPB", "wcpb-cap": "WCPB with the cap", "wcpb-ride": "WCPB, ride limit"}
+WAVEFRONT_MODES = {
+    "wcpb": "WCPB",
+    "wcpb-cap": "WCPB with the cap",
+    "wcpb-ride": "WCPB, ride limit",
+    "wcpb-noride": "WCPB, no ride limit",
+}
 
 
 def mode_settings(mode: str, wcpb_cap: int) -> dict:

@@ -162,6 +162,7 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
         max_num_batched_tokens=45,
         max_num_seqs=4,
         max_prefill_rows_with_decode=45,  # no cap: the planner's own selection
+        max_prefill_rows_per_decode_token=45 * 4,  # nor ride limit
     )
     eng.add_request("d", [1, 2], SamplingParams(max_tokens=40, ignore_eos=True))
     while eng.scheduler.requests["d"].in_prefill:
