@@ -16,7 +16,8 @@ inputs); and the measured output tokens/s with speculation off and with the defa
 (which turns it off above `speculative_max_decode_rows` decoding requests).
 
     python -m benchmarks.speculative packaged --concurrency 1 8 --out packaged.json
-    python -m benchmarks.speculative cost --concurrency 1 8 32 --acceptance 0.6 0.8 --out cost.json
+    python -m benchmarks.speculative cost --concurrency 1 8 32 --acceptance 0.6 0.8 \
+        --kv-cache-gb 40 --out cost.json  # KV for 32 requests of the 1.4B shape at once
 """
 
 from __future__ import annotations
@@ -158,7 +159,13 @@ def run_cost(args) -> dict:
         model_dir = str(write_shape(args.shape, tmp))
         result = {"costs_ms": {}, "model": [], "adaptive": []}
         for c in args.concurrency:
-            engines = make_engines(args, model_dir, "dummy", c, speculative_max_decode_rows=10**6)
+            # a budget that prefills every prompt in one step: the windows open, and verify, in
+            # lockstep, so invocations of c and c (K + 1) rows both run
+            budget = max(1024, c * args.prompt_len)
+            engines = make_engines(
+                args, model_dir, "dummy", c, speculative_max_decode_rows=10**6,
+                max_num_batched_tokens=budget,
+            )  # fmt: skip
             depth = next(iter(engines.values())).num_loops
             costs: dict[int, float] = {}
             for engine in engines.values():

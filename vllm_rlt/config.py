@@ -202,7 +202,7 @@ class SchedulerConfig:
         "invocations of its loops, while the engine holds fewer requests than max_num_seqs; "
         "its other loops run in decode-only invocations, so fewer, shorter gaps between tokens "
         "wait for prefill (default: half of max_num_batched_tokens with WCPB, one capped "
-        "invocation, otherwise no limit)",
+        "invocation, otherwise no limit; max_num_batched_tokens x loops or more: no limit)",
         default=None,
     )
     max_context_with_decode: int = field_help(
