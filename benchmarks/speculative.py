@@ -17,7 +17,7 @@ inputs); and the measured output tokens/s with speculation off and with the defa
 
     python -m benchmarks.speculative packaged --concurrency 1 8 --out packaged.json
     python -m benchmarks.speculative cost --concurrency 1 8 32 --acceptance 0.6 0.8 \
-        --kv-cache-gb 40 --out cost.json  # KV for 32 requests of the 1.4B shape at once
+        --kv-cache-gb 16 --out cost.json  # KV for 32 requests of the 1.4B shape at once
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
-from benchmarks.wcpb_matrix import add_async_scheduling_flag
+from benchmarks.wcpb_matrix import add_async_scheduling_flag, release_device_memory
 from vllm_rlt.benchmarks.metrics import engine_counters, summarize
 from vllm_rlt.benchmarks.throughput import run_requests
 from vllm_rlt.config import EngineConfig
@@ -160,22 +160,24 @@ def run_cost(args) -> dict:
         result = {"costs_ms": {}, "model": [], "adaptive": []}
         for c in args.concurrency:
             # a budget that prefills every prompt in one step: the windows open, and verify, in
-            # lockstep, so invocations of c and c (K + 1) rows both run
+            # lockstep, so invocations of c and c (K + 1) rows both run; one engine at a time,
+            # each with KV for all c requests (`--kv-cache-gb`)
             budget = max(1024, c * args.prompt_len)
-            engines = make_engines(
-                args, model_dir, "dummy", c, speculative_max_decode_rows=10**6,
-                max_num_batched_tokens=budget,
-            )  # fmt: skip
-            depth = next(iter(engines.values())).num_loops
             costs: dict[int, float] = {}
-            for engine in engines.values():
+            for key in settings(args):
+                engine = make_engines(
+                    args, model_dir, "dummy", c, [key], speculative_max_decode_rows=10**6,
+                    max_num_batched_tokens=budget,
+                )[key]  # fmt: skip
+                depth = engine.num_loops
                 force_windows(engine.scheduler.spec)
                 prompts = [[1 + i] * args.prompt_len for i in range(c)]
                 run_requests(engine, prompts, args.output_len)  # warm-up
                 engine.runner.timer = InvocationTimer(engine.runner.device, by_context=True)
                 run_requests(engine, prompts, args.output_len)
                 costs.update(decode_costs(engine.runner.timer))
-                engine.runner.timer = None
+                del engine
+                release_device_memory()
             result["costs_ms"][c] = costs
             for (d, k), a in ((s, a) for s in settings(args)[1:] for a in args.acceptance):
                 if c in costs and c * (k + 1) in costs:
@@ -200,6 +202,8 @@ def run_cost(args) -> dict:
                        "output_tok_s": tok_s}  # fmt: skip
                 print(row)
                 result["adaptive"].append(row)
+            del adaptive
+            release_device_memory()
     return result
 
 
