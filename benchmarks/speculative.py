@@ -147,6 +147,18 @@ def force_windows(planner) -> None:
         planner.acceptance = lambda: 1.0
 
 
+def check_kv_holds(kv, num_requests: int, positions: int) -> None:
+    """Stop when the KV cache cannot hold every request at once: they would be admitted as
+    others finish, so their windows would not verify in lockstep and `cost` would time no
+    verify invocation of every request."""
+    need = num_requests * kv.blocks_for(positions)
+    if need > kv.num_total_blocks:
+        raise SystemExit(
+            f"the KV cache holds {kv.num_total_blocks} blocks; {num_requests} requests of "
+            f"{positions} positions need {need}: raise --kv-cache-gb"
+        )
+
+
 def modeled_speedup(a: float, k: int, d: int, depth: int, c_b: float, c_verify: float) -> float:
     """The cost model of docs/design/speculative.md §5: tokens per window over its cost,
     relative to plain decoding (D invocations of B rows per token)."""
@@ -170,6 +182,7 @@ def run_cost(args) -> dict:
                     max_num_batched_tokens=budget,
                 )[key]  # fmt: skip
                 depth = engine.num_loops
+                check_kv_holds(engine.scheduler.kv, c, args.prompt_len + args.output_len + key[1])
                 force_windows(engine.scheduler.spec)
                 prompts = [[1 + i] * args.prompt_len for i in range(c)]
                 run_requests(engine, prompts, args.output_len)  # warm-up

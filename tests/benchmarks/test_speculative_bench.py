@@ -29,6 +29,14 @@ def test_cost_mode(tmp_path):
     assert [(r["acceptance"], r["drafts"]) for r in result["model"]] == [(0.8, 2)]
 
 
+def test_cost_mode_stops_when_the_kv_cache_cannot_hold_every_request(tmp_path):
+    """Requests admitted as others finish would never verify in lockstep: no cost to time."""
+    smoke = [a if a != "0.1" else "0.0005" for a in SMOKE]  # about 500 positions
+    args = ["cost", "--shape", "tiny", "--concurrency", "32", *smoke, "--acceptance", "0.8"]
+    with pytest.raises(SystemExit, match="raise --kv-cache-gb"):
+        speculative.main([*args, "--out", str(tmp_path / "cost.json")])
+
+
 def test_cost_model():
     """The issue's example: d = 1, K = 4, a = 0.9, D = 4, weight-bound (equal costs): ~2x."""
     assert speculative.modeled_speedup(0.9, 4, 1, 4, 1.0, 1.0) == pytest.approx(2.05, abs=0.01)
