@@ -40,7 +40,7 @@ from benchmarks.provenance import commit, engine_digest
 from benchmarks.wcpb_matrix import add_async_scheduling_flag, release_device_memory
 from vllm_rlt.benchmarks.metrics import engine_counters, summarize
 from vllm_rlt.benchmarks.throughput import run_requests
-from vllm_rlt.config import EngineConfig
+from vllm_rlt.config import EngineConfig, SchedulerConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.models.tiny import default_model_dir
@@ -174,7 +174,7 @@ def run_cost(args) -> dict:
             # a budget that prefills every prompt in one step: the windows open, and verify, in
             # lockstep, so invocations of c and c (K + 1) rows both run; one engine at a time,
             # each with KV for all c requests (`--kv-cache-gb`)
-            budget = max(1024, c * args.prompt_len)
+            budget = max(SchedulerConfig.max_num_batched_tokens, c * args.prompt_len)
             costs: dict[int, float] = {}
             for key in settings(args):
                 engine = make_engines(

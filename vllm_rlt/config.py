@@ -242,22 +242,21 @@ class SchedulerConfig:
         invocations with ready tasks of every depth, so decode rows beside them would ride
         invocations up to the whole budget; half of it keeps their ITL tail at Split's
         (docs/benchmarks/wcpb-matrix.md §4)."""
-        if self.max_prefill_rows_with_decode is not None:
-            return self.max_prefill_rows_with_decode
-        if self.wavefront_chunked_prefill:
-            return max(1, self.max_num_batched_tokens // 2)
-        return None
+        return self._wcpb_half_budget(self.max_prefill_rows_with_decode)
 
     @property
     def prefill_rows_per_decode_token(self) -> int | None:
         """The ride limit `max_prefill_rows_per_decode_token` puts in force (None: none). WCPB's
         default lets a token ride one invocation's cap of prefill rows: in the matrix's arrival
         cells that keeps its ITL tail at Split's (docs/benchmarks/wcpb-matrix.md §3)."""
-        if self.max_prefill_rows_per_decode_token is not None:
-            return self.max_prefill_rows_per_decode_token
-        if self.wavefront_chunked_prefill:
-            return max(1, self.max_num_batched_tokens // 2)
-        return None
+        return self._wcpb_half_budget(self.max_prefill_rows_per_decode_token)
+
+    def _wcpb_half_budget(self, value: int | None) -> int | None:
+        """A latency rule's value in force: the user's, else half the budget with WCPB (None:
+        no limit)."""
+        if value is not None:
+            return value
+        return max(1, self.max_num_batched_tokens // 2) if self.wavefront_chunked_prefill else None
 
     @property
     def chunk_size(self) -> int:

@@ -78,8 +78,11 @@ class DecodePlanner:
         return left if cap is None else min(cap, left)
 
     @staticmethod
-    def record_ride(tasks, requests: dict, loops: int) -> None:
-        """The decode tokens of the planned `tasks` ride its prefill rows for `loops` loops."""
+    def record_ride(tasks, requests: dict, loops: int, config: SchedulerConfig) -> None:
+        """The decode tokens of the planned `tasks` ride its prefill rows for `loops` loops
+        (counted only while a ride limit is in force)."""
+        if config.prefill_rows_per_decode_token is None:
+            return
         prefill = sum(t.num_tokens for t in tasks if t.kind is RowKind.PREFILL)
         for t in tasks:
             tok = requests[t.request_id].decode if t.kind is RowKind.DECODE else None

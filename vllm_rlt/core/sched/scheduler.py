@@ -138,8 +138,7 @@ class Scheduler:
             prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
             tasks, loops = self._place(decode_tasks, prefill_tasks, samples, admitted)
-            if self.config.prefill_rows_per_decode_token is not None:
-                self.decode.record_ride(tasks, self.requests, loops)
+            self.decode.record_ride(tasks, self.requests, loops, self.config)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
