@@ -269,6 +269,30 @@ def test_few_decode_rows_split_finer_than_other_launches():
     assert splits.choose_num_splits(256, 512, 132, splits.SPLITS) == 2  # >= 256 positions each
 
 
+def test_decode_launches_balance_pieces_over_the_rows():
+    """Decode-only launches of the fine policy on 132 SMs with 16 KV heads: 16 pieces per KV head
+    over all rows, in a grid of up to 16 programs per SM (at least the fill policy's count, at
+    most 128-position splits of the context bound)."""
+    assert splits.decode_balance(8 * 16, 16, 65536, 132) == (16, 16)
+    assert splits.decode_balance(1 * 16, 16, 65536, 132) == (17, 16)  # the fill policy's 17
+    assert splits.decode_balance(32 * 16, 16, 65536, 132) == (5, 16)
+    assert splits.decode_balance(8 * 16, 16, 1000, 132) == (7, 16)  # 1000 // 128
+
+
+@pytest.mark.parametrize("max_context", [None, 65536])
+def test_one_long_decode_row_among_short_ones(monkeypatch, max_context) -> None:
+    """4 SMs, 2 KV heads: 4 pieces per KV head over the rows' 5,544 keys, so the row at 5,000
+    positions splits into 4 pieces of 1,408 and the short rows into one each (eagerly, and in a
+    grid sized for 64K positions as CUDA graphs size it); outputs match the reference."""
+    monkeypatch.setattr("vllm_rlt.kernels.paged_attention.sm_count", lambda device: 4)
+    assert splits.decode_balance(4 * 2, 2, 65536, 4) == (4, 4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    segs = [(300, 1), (5000, 1), (200, 1), (40, 1)]
+    q, k, v, k_cache, v_cache, meta = _make_case(segs, 4, 2, 16, 16, torch.float32, device, 31)
+    meta = meta if max_context is None else replace(meta, max_context=max_context)
+    _check((q, k, v, k_cache, v_cache, meta), FP32_TOL)
+
+
 @pytest.mark.parametrize("num_sms,rows", [(4, 1), (2, 1), (2, 2), (2, 3)])
 def test_decode_configs_by_grid_fill(monkeypatch, num_sms: int, rows: int) -> None:
     """bf16 decode-only launches take their launch config from the programs per SM before

@@ -4,6 +4,11 @@ A launch's grid holds a fixed number of splits S per tile (CUDA graphs fix it at
 `paged_attention` then gives each tile pieces of ceil(context / S) positions, at least the
 policy's `min_len`. The policy depends on the launch: few decode rows want many short pieces to
 fill the GPU, prefill tiles and many rows fewer, longer ones.
+
+Decode-only launches of the fine policy also balance the work (`decode_balance`): the kernel
+sizes every row's pieces from the launch's total context, at least total / P positions for P
+pieces per KV head in all, so that one long row among short ones is cut into many pieces and
+the short rows into few, whatever the contexts at replay time.
 """
 
 from __future__ import annotations
@@ -34,6 +39,27 @@ FINE_MAX_FILL = 4  # programs per SM before splitting up to which decode-only la
 def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPolicy:
     """The split policy of a launch of `num_programs` (tiles x KV heads) before splitting."""
     return DECODE_SPLITS if decode_only and num_programs <= FINE_MAX_FILL * num_sms else SPLITS
+
+
+# Balanced decode launches: about BALANCE_PROGRAMS_PER_SM programs per SM over all rows' pieces,
+# in a grid of at most BALANCE_GRID_PER_SM programs per SM before idle splits (programs past
+# their row's context exit at once). Measured on the H200 (docs/design/runner.md §4): one row at
+# 10,240 positions beside 7 at 600 takes 84 us per attention call in 3 even splits, 48 in
+# 16; 8 rows at 600 or 2,048 positions run fastest in 2 pieces each.
+BALANCE_PROGRAMS_PER_SM = 2
+BALANCE_GRID_PER_SM = 16
+
+
+def decode_balance(
+    num_programs: int, num_kv_heads: int, max_context: int, num_sms: int
+) -> tuple[int, int]:
+    """(splits in the grid, pieces per KV head over all rows) of a balanced decode-only launch
+    of `num_programs` (rows x KV heads) before splitting, at most `max_context` positions."""
+    pieces = max(1, BALANCE_PROGRAMS_PER_SM * num_sms // num_kv_heads)
+    by_fill = choose_num_splits(num_programs, max_context, num_sms, DECODE_SPLITS)
+    by_grid = min(pieces, triton.cdiv(BALANCE_GRID_PER_SM * num_sms, num_programs))
+    by_len = max(1, max_context // DECODE_SPLITS.min_len)
+    return max(1, min(max(by_fill, by_grid), by_len, MAX_SPLITS)), pieces
 
 
 def choose_num_splits(

@@ -31,7 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits, split_policy
+from vllm_rlt.kernels.attention_splits import (
+    DECODE_SPLITS,
+    choose_num_splits,
+    decode_balance,
+    split_policy,
+)
 from vllm_rlt.kernels.attention_tile import attend_tile
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
@@ -91,6 +96,7 @@ def _paged_attention_kernel(
     seg_token_starts_ptr,
     block_tables_ptr,
     split_len_ptr,
+    positions_ptr,
     stride_q_row,
     stride_q_head,
     stride_o_row,
@@ -102,6 +108,7 @@ def _paged_attention_kernel(
     num_rows,
     num_splits,
     min_split_len,
+    balance_pieces,
     qk_scale,
     num_one,
     NUM_HEADS: tl.constexpr,
@@ -124,16 +131,25 @@ def _paged_attention_kernel(
     BLOCK_MG_ONE: tl.constexpr,
     BLOCK_N_ONE: tl.constexpr,
     USE_DOT_ONE: tl.constexpr,
+    BALANCE_ROWS: tl.constexpr,
 ):
     """One program per (tile, KV head, split). BOTH: the grid holds both classes, the first
     `num_one` tiles one-row (row block BLOCK_MG_ONE, KV step BLOCK_N_ONE), the rest multi-row,
-    so that decode rows and prefill chunks of one invocation run side by side."""
+    so that decode rows and prefill chunks of one invocation run side by side. BALANCE_ROWS > 0
+    (a power of two >= num_rows): pieces of at least the rows' total context over
+    `balance_pieces` positions (`attention_splits.decode_balance`)."""
     release_dependents(GDC)  # the combine or the output projection may start
     tile = tl.load(tile_ids_ptr + tl.program_id(0))  # tables: written before the invocation
     nrows = tl.load(tile_num_rows_ptr + tile)
     # q and this invocation's K/V come from the kernels before this one; every program waits,
     # so that this launch (even of padding tiles alone) ends after them
     wait_for_primary(GDC)
+    if BALANCE_ROWS > 0:  # positions: written before the invocation, like the tables
+        offs_r = tl.arange(0, BALANCE_ROWS)
+        pos = tl.load(positions_ptr + offs_r, mask=offs_r < num_rows, other=-1)
+        total = tl.sum(pos.to(tl.int32) + 1, 0)  # keys of all rows (padding rows: 1 each)
+        piece = tl.cdiv(tl.cdiv(total, balance_pieces), SPLIT_ALIGN) * SPLIT_ALIGN
+        min_split_len = tl.maximum(min_split_len, piece)
     if nrows > 0:  # zero rows: a padding tile (CUDA-graph buckets fill fixed grids with them)
         args = (
             out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
@@ -293,11 +309,15 @@ def paged_attention(
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG
         chunk_config = replace(chunk_config, block_n=FP32_BLOCK_N) if fp32 else chunk_config
     block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
-    min_split_len = block_n
+    min_split_len, balance_pieces = block_n, 0
     if num_splits is None:
         policy = split_policy(programs, decode_only, num_sms)
         num_splits = choose_num_splits(programs, meta.max_context, num_sms, policy)
         min_split_len = triton.cdiv(policy.min_len, block_n) * block_n
+        if policy is DECODE_SPLITS:
+            num_splits, balance_pieces = decode_balance(
+                programs, num_kv_heads, meta.max_context, num_sms
+            )
 
     if out is None:
         out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
@@ -315,10 +335,10 @@ def paged_attention(
     common = (
         out, part_acc, part_m, part_l, q, k_cache, v_cache,
         meta.tile_seg, meta.tile_row_start, meta.tile_num_rows, meta.seg_row_starts,
-        meta.seg_token_starts, meta.block_tables, split_len,
+        meta.seg_token_starts, meta.block_tables, split_len, meta.positions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        num_rows, num_splits, min_split_len, head_dim**-0.5 * _LOG2E,
+        num_rows, num_splits, min_split_len, max(balance_pieces, 1), head_dim**-0.5 * _LOG2E,
     )  # fmt: skip
     constexprs = dict(
         NUM_HEADS=num_heads,
@@ -332,6 +352,7 @@ def paged_attention(
         ACC=tl.float64 if acc_dtype == torch.float64 else tl.float32,
         F64=acc_dtype == torch.float64,
         GDC=pdl(q.device),
+        BALANCE_ROWS=triton.next_power_of_2(num_rows) if balance_pieces and num_splits > 1 else 0,
     )
     args = (common, group, num_kv_heads, num_splits, constexprs)
     tiles = meta.tile_order
