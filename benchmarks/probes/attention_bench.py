@@ -177,12 +177,9 @@ def run_decode(bench: Bench, copy_gbps: float) -> list[dict]:
                 {
                     "context": ctx,
                     "rows": rows,
-                    "num_splits": attn_splits.choose_num_splits(
-                        rows * HEADS,
-                        ctx,
-                        num_sms,
-                        attn_splits.split_policy(rows * HEADS, True, num_sms),
-                    ),
+                    "num_splits": attn_splits.launch_splits(
+                        rows * HEADS, HEADS, ctx, num_sms, decode_only=True
+                    )[1],
                     "kv_bytes": _kv_bytes(segs),
                     "attention": attn,
                     "forward": fwd,

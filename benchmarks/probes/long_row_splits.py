@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.probes.attention_bench import Bench, _env
 from benchmarks.provenance import commit, engine_digest
 from vllm_rlt.kernels import paged_attention as pa
-from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, choose_num_splits
+from vllm_rlt.kernels.attention_splits import choose_num_splits, split_policy
 
 GRAPH_MAX_CONTEXT = 65536
 MIXES = {  # contexts of the decode rows
@@ -41,12 +41,17 @@ MIXES = {  # contexts of the decode rows
 FIXED = (2, 3, 4, 8, 16)
 
 
-def _unbalanced(num_programs, num_kv_heads, max_context, num_sms):
-    return choose_num_splits(num_programs, max_context, num_sms, DECODE_SPLITS), 0
+def _unbalanced(num_programs, num_kv_heads, max_context, num_sms, decode_only):
+    policy = split_policy(num_programs, decode_only, num_sms)
+    return policy, choose_num_splits(num_programs, max_context, num_sms, policy), 0
 
 
 def _fixed(splits: int):
-    return lambda *args: (splits, 0)
+    return lambda num_programs, num_kv_heads, max_context, num_sms, decode_only: (
+        split_policy(num_programs, decode_only, num_sms),
+        splits,
+        0,
+    )
 
 
 def main() -> None:
@@ -55,7 +60,7 @@ def main() -> None:
     p.add_argument("--rep", type=int, default=30, help="do_bench repetition time (ms)")
     args = p.parse_args()
     bench = Bench(args.rep)
-    balanced = pa.decode_balance
+    balanced = pa.launch_splits
     ways = {"balanced": balanced, "unbalanced": _unbalanced}
     ways.update({f"even {s}": _fixed(s) for s in FIXED})
     rows = []
@@ -66,12 +71,12 @@ def main() -> None:
                 for meta, *rest in bench.cases([(c - 1, 1) for c in contexts], max_sets=8)
             ]
             for way, fn in ways.items():
-                pa.decode_balance = fn
+                pa.launch_splits = fn
                 us = bench.attention(sets, False)["graph_us"]
                 rows.append({"mix": name, "splits": way, "attention_us": us})
                 print(f"{name:20s} {way:11s} {us:7.1f} us", flush=True)
     finally:
-        pa.decode_balance = balanced
+        pa.launch_splits = balanced
     meta = {"command": " ".join(sys.argv), "commit": commit(), "engine_sha256": engine_digest()}
     with open(args.out, "w") as f:
         json.dump({"meta": {**meta, **_env()}, "results": rows}, f, indent=1)

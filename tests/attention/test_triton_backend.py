@@ -277,6 +277,9 @@ def test_decode_launches_balance_pieces_over_the_rows():
     assert splits.decode_balance(1 * 16, 16, 65536, 132) == (17, 16)  # the fill policy's 17
     assert splits.decode_balance(32 * 16, 16, 65536, 132) == (5, 16)
     assert splits.decode_balance(8 * 16, 16, 1000, 132) == (7, 16)  # 1000 // 128
+    assert splits.launch_splits(8 * 16, 16, 65536, 132, True) == (splits.DECODE_SPLITS, 16, 16)
+    assert splits.launch_splits(8 * 16, 16, 65536, 132, False) == (splits.SPLITS, 9, 0)
+    assert splits.launch_splits(34 * 16, 16, 65536, 132, True) == (splits.SPLITS, 2, 0)
 
 
 @pytest.mark.parametrize("max_context", [None, 65536])

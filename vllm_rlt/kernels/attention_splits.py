@@ -73,3 +73,14 @@ def choose_num_splits(
     by_fill = triton.cdiv(target, num_programs)
     by_len = max(1, max_context // policy.min_len)
     return max(1, min(by_fill, by_len, MAX_SPLITS))
+
+
+def launch_splits(
+    num_programs: int, num_kv_heads: int, max_context: int, num_sms: int, decode_only: bool
+) -> tuple[SplitPolicy, int, int]:
+    """(policy, splits in the grid, balanced pieces per KV head or 0) of a launch of
+    `num_programs` (tiles x KV heads) whose split count is automatic."""
+    policy = split_policy(num_programs, decode_only, num_sms)
+    if policy is DECODE_SPLITS:
+        return policy, *decode_balance(num_programs, num_kv_heads, max_context, num_sms)
+    return policy, choose_num_splits(num_programs, max_context, num_sms, policy), 0

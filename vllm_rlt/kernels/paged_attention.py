@@ -31,12 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.attention_splits import (
-    DECODE_SPLITS,
-    choose_num_splits,
-    decode_balance,
-    split_policy,
-)
+from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, launch_splits, split_policy
 from vllm_rlt.kernels.attention_tile import attend_tile
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
@@ -311,13 +306,10 @@ def paged_attention(
     block_n = max(decode_config.block_n, chunk_config.block_n)  # splits align to both launches
     min_split_len, balance_pieces = block_n, 0
     if num_splits is None:
-        policy = split_policy(programs, decode_only, num_sms)
-        num_splits = choose_num_splits(programs, meta.max_context, num_sms, policy)
+        policy, num_splits, balance_pieces = launch_splits(
+            programs, num_kv_heads, meta.max_context, num_sms, decode_only
+        )
         min_split_len = triton.cdiv(policy.min_len, block_n) * block_n
-        if policy is DECODE_SPLITS:
-            num_splits, balance_pieces = decode_balance(
-                programs, num_kv_heads, meta.max_context, num_sms
-            )
 
     if out is None:
         out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
