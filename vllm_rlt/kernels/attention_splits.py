@@ -42,7 +42,7 @@ def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPol
 
 
 # Balanced decode launches: about BALANCE_PROGRAMS_PER_SM programs per SM over all rows' pieces,
-# in a grid of at most BALANCE_GRID_PER_SM programs per SM before idle splits (programs past
+# in a grid of up to BALANCE_GRID_PER_SM programs per SM, idle splits included (programs past
 # their row's context exit at once). Measured on the H200 (docs/design/runner.md §4): one row at
 # 10,240 positions beside 7 at 600 takes 84 us per attention call in 3 even splits, 48 in
 # 16; 8 rows at 600 or 2,048 positions run fastest in 2 pieces each.
