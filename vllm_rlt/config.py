@@ -185,6 +185,13 @@ class SchedulerConfig:
         "long (default: no limit)",
         default=None,
     )
+    device_decode_loops: int = field_help(
+        "a decode-only step whose tokens exit early (gate or trace) runs up to this many "
+        "invocations with exit decisions, sampling and the next token's entry on the device, "
+        "with no host work between them; its tokens come back together after the step "
+        "(0 or 1: the host decides after every loop that reads a gate)",
+        default=16,
+    )
     async_scheduling: bool = field_help(
         "schedule and queue each step before the tokens of the one before are read back, so "
         "the GPU does not idle while the host prepares a step (a step's outputs come with the "
@@ -229,6 +236,8 @@ class SchedulerConfig:
         check(chunk is None or chunk >= 1, "prefill_chunk_size", chunk, ">= 1")
         stall = self.max_prefill_stall_loops
         check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
+        runs = self.device_decode_loops
+        check(runs >= 0, "device_decode_loops", runs, ">= 0")
         cap = self.max_prefill_rows_with_decode
         check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
         ride = self.max_prefill_rows_per_decode_token

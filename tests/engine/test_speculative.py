@@ -126,7 +126,7 @@ def test_a_window_takes_one_step(model_dir, always_draft, async_scheduling):
     # the prompt's step and the last tokens' (a window drafts at most the tokens left)
     assert per_window * windows < steps <= per_window * windows + 4
     per_token = per_window / stats["spec_mean_accepted_length"]
-    assert steps / stats["generated_tokens"] <= per_token
+    assert (steps - 4) / stats["generated_tokens"] <= per_token
 
 
 @pytest.mark.parametrize("wavefront", [False, True])

@@ -49,7 +49,10 @@ DEVICES = [
 
 @pytest.mark.parametrize("device,backend,static", DEVICES)
 def test_the_runner_times_every_invocation_under_its_shape(model_dir, device, backend, static):
+    # (host-decided decode rows: a device run loads its graph once for all its invocations;
+    # tests/engine/test_device_runs.py times those)
     kw = dict(scheduling_mode="mixed", wavefront_chunked_prefill=True, max_num_seqs=6)
+    kw.update(device_decode_loops=0)
     kw.update(prefill_chunk_size=5, max_num_batched_tokens=13)
     eng = make_engine(model_dir, device, backend, **kw)
     calls = None

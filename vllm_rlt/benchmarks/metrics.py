@@ -82,8 +82,9 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
 def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
     """Engine counters of one run (`LLMEngine.stats_dict()` before and after it) and the ratios
     of docs/benchmarks/README.md §2: rows per invocation, prefill rows per prefill invocation,
-    invocations per request (whose Split / WCPB quotient is the invocation bound); with
-    speculation, the run's acceptance rate and mean accepted length (tokens per window)."""
+    invocations per request (whose Split / WCPB quotient is the invocation bound), loops per
+    generated token; with speculation, the run's acceptance rate and mean accepted length
+    (tokens per window)."""
     counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, int)}
 
     def ratio(a: str, b: str) -> float:
@@ -102,6 +103,7 @@ def engine_counters(before: dict, after: dict, num_requests: int) -> dict:
         "tasks_per_invocation": ratio("tasks", "invocations"),
         "prefill_rows_per_prefill_invocation": ratio("prefill_rows", "prefill_invocations"),
         "invocations_per_request": counters["invocations"] / num_requests,
+        "loops_per_token": ratio("generated_loops", "generated_tokens"),
     }
 
 

@@ -1,7 +1,9 @@
 """`vllm-rlt bench throughput`: offline throughput of the engine. `--num-prompts` prompts of
 `--input-len` random token ids with `--output-len` forced output tokens (EOS ignored) are
 submitted at once; reports request and token throughput and TTFT / TPOT / ITL / E2E percentiles
-(the same records and metrics as `bench serve`).
+(the same records and metrics as `bench serve`) and the engine's counters (loops per token
+among them). The exit configuration is the engine's (`--exit-threshold`, `--exit-mode`,
+`--trace-seed`, `--device-decode-loops`) and `--min-loops` per request.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64, help="tokens per output (EOS ignored)")
     p.add_argument("--warmup-requests", type=int, default=2, help="untimed requests first")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument(
+        "--min-loops",
+        type=int,
+        default=None,
+        help="fewest loops each output token runs (with --exit-threshold below 1: every gate "
+        "is read; equal to the depth: every token still runs every loop; default: 1)",
+    )
 
 
 def make_engine(model: str | None, engine_kwargs: dict[str, Any]):
@@ -40,11 +49,16 @@ def random_prompts(engine, num: int, length: int, seed: int) -> list[list[int]]:
 
 
 def run_requests(
-    engine, prompts: list[list[int]], output_len: int, on_done: Callable[[], None] | None = None
+    engine,
+    prompts: list[list[int]],
+    output_len: int,
+    on_done: Callable[[], None] | None = None,
+    **params,
 ) -> tuple[list[RequestRecord], float]:
     """Submit every prompt at once and step the engine until all finish; returns the records
-    (a chunk per step that brought a request new tokens) and the wall time."""
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    (a chunk per step that brought a request new tokens) and the wall time. `params`: more
+    sampling settings (exit_threshold, min_loops, ...)."""
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, **params)
     start = time.perf_counter()
     records: dict[str, RequestRecord] = {}
     for i, prompt in enumerate(prompts):
@@ -75,6 +89,8 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict:
     prompts = random_prompts(engine, args.num_prompts, args.input_len, args.bench_seed)
     before = engine.stats_dict()
     with tqdm(total=len(prompts), desc="requests", unit="req") as bar:
-        records, duration = run_requests(engine, prompts, args.output_len, lambda: bar.update(1))
+        records, duration = run_requests(
+            engine, prompts, args.output_len, lambda: bar.update(1), min_loops=args.min_loops
+        )
     counters = engine_counters(before, engine.stats_dict(), len(prompts))
     return {"summary": summarize(records, duration), "engine": counters}

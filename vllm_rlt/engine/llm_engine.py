@@ -37,11 +37,13 @@ from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
 from vllm_rlt.sampling_params import SamplingParams, check_text
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, graphs_supported
+from vllm_rlt.worker.device_runs import DeviceRunner
 from vllm_rlt.worker.graph_tables import graph_specs
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.memory_profile import DeviceMemory, measure_device_memory
 from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
+from vllm_rlt.worker.run_state import RunState
 from vllm_rlt.worker.spec_windows import WindowTokens
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,14 @@ class LLMEngine:
             sc.max_num_seqs, ring_rows, self.model.state_size, weight.dtype, weight.device
         )
         windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
+        # device runs: only for decode rows whose prelude and coda attend nothing
+        run_state = None
+        if sc.device_decode_loops > 1 and not self.model.num_edge_planes:
+            blocks = -(-(mc.max_model_len or c.max_position_embeddings) // cc.block_size)
+            run_state = RunState(
+                sc.max_num_seqs, sc.device_decode_loops, weight.shape[0], num_planes, blocks,
+                self.model.state_size, weight.dtype, weight.device,
+            )  # fmt: skip
         tile_rows = tile_rows_for(planner.task_rows)
         specs = ()
         if not mc.enforce_eager and graphs_supported(self.model):
@@ -135,14 +145,18 @@ class LLMEngine:
             self.num_loops,
             atomic_prefill=self.model.requires_atomic_prefill,
             speculative=config.speculative,
+            device_runs=run_state is not None,
         )
-        graphs = None
+        graphs, runs = None, None
+        max_context = min(self.max_model_len, per_plane)
         if specs:
-            max_context = min(self.max_model_len, per_plane)
             graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
         loop_planes = self.kv_manager.num_loop_planes
+        if run_state is not None:
+            runs = DeviceRunner(self.model, kv_cache, states, windows, run_state, loop_planes,
+                                tile_rows, max_context, capture=bool(specs))  # fmt: skip
         self.runner = ModelRunner(
-            self.model, kv_cache, states, windows, loop_planes, graphs, tile_rows
+            self.model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
@@ -298,31 +312,44 @@ class LLMEngine:
         self.stats.record_batch(batch, self.num_loops)
         self.scheduler.advance(batch, launched.decode_gate_logits)
         ready = (batch, launched)
+        if batch.decode_run is not None:  # the next plan needs its rows' states: read it now
+            unread, self._unread = self._unread, None
+            return (self._read_tokens(*unread) if unread else []) + self._read_tokens(*ready)
         if self.config.scheduler.async_scheduling:  # read the previous step's tokens instead
             ready, self._unread = self._unread, ready
         return self._read_tokens(*ready) if ready is not None else []
 
     def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
+        """Apply and emit a step's tokens (several per request for a verified window or a
+        device run)."""
         requests = self.scheduler.requests
-        windows = [requests[v.request_id] for v in batch.verifies if v.request_id in requests]
-        before = {r.request_id: len(r.output_token_ids) for r in windows}
-        return self._emit(self.scheduler.apply_tokens(batch, launched.read_tokens()), before)
+        many = [v.request_id for v in batch.verifies]
+        many += [t.request_id for t in batch.requests] if batch.decode_run is not None else []
+        before = {r: len(requests[r].output_token_ids) for r in many if r in requests}
+        run = launched.read_run() if launched.read_run is not None else ()
+        touched = self.scheduler.apply_tokens(batch, launched.read_tokens(), run)
+        return self._emit(touched, before)
 
     def _emit(
         self, touched: list[Request], before: dict[str, int] | None = None
     ) -> list[RequestOutput]:
         """Outputs of the requests that got tokens (stop strings end them here): one token
-        each, or several for a verified window (`before`: its output count before them)."""
+        each, or several for a verified window or a device run (`before`: its output count
+        before them; of those, the tokens after the one that completes a stop string are
+        dropped)."""
         before = before or {}
         for req in touched:
-            num = len(req.output_exit_depths)
-            for depth in req.output_exit_depths[before.get(req.request_id, num - 1) :]:
-                self.stats.record_token(depth)
+            first = before.get(req.request_id, len(req.output_exit_depths) - 1)
             try:  # detokenization, stop strings, logprobs: work of this request alone
                 hit = self.outputs.process(req)
+                if hit is not None and len(req.output_token_ids) - first > 1:
+                    self.scheduler.drop_outputs(req, self.outputs.stop_prefix(req, first))
+                    hit = self.outputs.process(req)
             except Exception:
                 self._fail_request(req.request_id)
                 continue
+            for depth in req.output_exit_depths[first:]:
+                self.stats.record_token(depth)
             if hit is not None and not req.status.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
         return self.outputs.collect([r.request_id for r in touched])

@@ -62,6 +62,16 @@ class OutputProcessor:
             comp.stop_reason = req.stop_reason
         return hit
 
+    def stop_prefix(self, req: Request, known: int) -> int:
+        """The fewest output tokens of `req` (more than `known`, whose text held no stop
+        string) whose text holds one of its stop strings."""
+        stops, ids = req.sampling_params.stop, req.output_token_ids
+        for n in range(known + 1, len(ids)):
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            if _find_stop(text, stops)[0] is not None:
+                return n
+        return len(ids)
+
     def finish(self, child_id: str, status: RequestStatus) -> None:
         """Mark a child finished without new tokens (abort)."""
         parent_id, index = self._child[child_id]

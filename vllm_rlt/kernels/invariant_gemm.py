@@ -6,8 +6,9 @@ call. This kernel fixes everything that shapes a row's arithmetic by the weight'
 dtype only: the tile (`InvariantConfig`), the K step and the order of the K steps, one program
 per (row block, column block), no split of K. Rows of different blocks run the same code on the
 same tile shape, so a row's result is the same bits whether the call has 1 row or 2,048, and
-wherever in its block the row sits. The price: few rows pad a whole row block, and without a
-K split a call of few rows has only N / BLOCK_N programs to stream the weights
+wherever in its block the row sits (under the Triton interpreter the K steps are sums of
+broadcast products, not `tl.dot`: `_ROW_SUMS`). The price: few rows pad a whole row block, and
+without a K split a call of few rows has only N / BLOCK_N programs to stream the weights
 (docs/design/runner.md §6).
 """
 
@@ -38,6 +39,15 @@ class InvariantConfig:
 # 16-bit inputs: tensor-core tiles; fp32 (exactness runs, the CPU interpreter): small ieee tiles
 HALF_CONFIG = InvariantConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 FP32_CONFIG = InvariantConfig(block_m=32, block_n=32, block_k=32, num_warps=4, num_stages=2)
+
+
+# The interpreter's tl.dot is numpy's matmul, and its BLAS may add a row's products in an order
+# set by the row's place in the tile: OpenBLAS 0.3.31's Haswell sgemm (on an AMD EPYC) gives one
+# row of a [32, 32] @ [32, 32] three different results, at rows 0-5 and 12-17, 6-11 and 18-23,
+# and 24-31.
+# Under the interpreter a K step is therefore a broadcast product summed along K by numpy, the
+# same arithmetic for every row (paged_attention's invariant launches do likewise).
+_ROW_SUMS = tl.constexpr(INTERPRET)
 
 
 def config_for(dtype: torch.dtype) -> InvariantConfig:
@@ -76,7 +86,10 @@ def _invariant_gemm_kernel(
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:  # the interpreter computes 16-bit tl.dot wrongly
             x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if _ROW_SUMS:
+            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -217,7 +217,8 @@ def _row_block(rows_per_tile: int, group: int, use_dot: bool) -> tuple[int, bool
     """M side of a tile's dot (rows x padded GQA group, at least 16 with `tl.dot`) and whether
     the launch uses `tl.dot`."""
     block_mg = triton.next_power_of_2(rows_per_tile) * triton.next_power_of_2(group)
-    use_dot = use_dot or block_mg > 1
+    # broadcast-and-sum only for tiny M on a GPU (registers); the interpreter has none to spill
+    use_dot = use_dot or (block_mg > 1 and not INTERPRET)
     return (max(block_mg, 16) if use_dot else block_mg), use_dot
 
 
@@ -298,7 +299,11 @@ def paged_attention(
             raise ValueError(f"batch-invariant attention takes tiles of at most "
                              f"{INVARIANT_TILE_ROWS} rows, got {meta.max_tile_rows}")  # fmt: skip
         block_n = FP32_BLOCK_N if fp32 else INVARIANT_CONFIG.block_n
-        decode_config = chunk_config = replace(INVARIANT_CONFIG, block_n=block_n)
+        # the interpreter's tl.dot is a BLAS matmul, whose sums may depend on the row's place
+        # in the tile (invariant_gemm._ROW_SUMS): broadcast-and-sum there
+        decode_config = chunk_config = replace(
+            INVARIANT_CONFIG, block_n=block_n, use_dot=not INTERPRET
+        )
         num_splits = 1
     if chunk_config is None:
         chunk_config = CHUNK_CONFIG_LARGE_M if big else CHUNK_CONFIG

@@ -27,16 +27,18 @@ from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
     RowKind,
+    RunRowResult,
     SampledToken,
     StateSpan,
 )
 from vllm_rlt.tensor_utils import read_back, to_device
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
+from vllm_rlt.worker.device_runs import DeviceRunner, RunMirror
 from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
-from vllm_rlt.worker.sampler import SamplingTensors, sample
+from vllm_rlt.worker.sampler import SamplingTensors, host_tokens, sample
 from vllm_rlt.worker.spec_windows import WindowTokens
 
 
@@ -55,11 +57,13 @@ class _Mirror:
 @dataclass(frozen=True)
 class LaunchedStep:
     """A step whose work is queued on the device: its gate logits (host data: an exit decision
-    needed them) and a callable that waits for its sampled tokens and returns them."""
+    needed them) and callables that wait for its sampled tokens and return them."""
 
     decode_gate_logits: tuple[float, ...]
     # request_id -> its sampled token, or a verified window's accepted tokens
     read_tokens: Callable[[], dict[str, SampledToken | tuple[SampledToken, ...]]]
+    # a device run's tokens and final row states, one per task (None: the step had no run)
+    read_run: Callable[[], tuple[RunRowResult, ...]] | None = None
 
 
 class ModelRunner:
@@ -72,13 +76,15 @@ class ModelRunner:
         num_planes: int,
         graphs: CudaGraphRunner | None = None,
         tile_rows: int = TILE_ROWS,
+        runs: DeviceRunner | None = None,
     ):
         """`states`: the hidden-state buffer (a slot per running request; the engine allocates
         it before sizing the KV cache); `windows`: the tokens that enter decode rows and the
         speculative windows' state (allocated likewise); `num_planes`: the KV planes of the
         loops (the model's edge planes follow them); `graphs`: runs the invocations its
         buckets admit over static buffers (None: all eager); `tile_rows`: rows per multi-row
-        attention tile of eager invocations (the graph runner's own)."""
+        attention tile of eager invocations (the graph runner's own); `runs`: runs the plans'
+        device runs (None: the plans have none)."""
         self.model = model
         self.graphs = graphs
         self.tile_rows = tile_rows
@@ -90,6 +96,7 @@ class ModelRunner:
         self.reqs: dict[str, _Mirror] = {}
         self.windows = windows
         self.edges = edge_stages_for(model, kv_cache, num_planes, tile_rows)
+        self.runs = runs
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
 
@@ -100,6 +107,10 @@ class ModelRunner:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled = self._sample(batch.sample_req_ids, batch.sample_indices)
+        if batch.decode_run is not None:
+            mirrors = [self.reqs[t.request_id] for t in batch.requests]
+            rows = [RunMirror(m.slot, m.data, m.block_tables) for m in mirrors]
+            return LaunchedStep((), sampled, self.runs.run(batch, rows, self.timer))
         drafts: dict[int, list[DraftSample]] = {}
         for d in batch.drafts:
             drafts.setdefault(d.invocation, []).append(d)
@@ -183,20 +194,11 @@ class ModelRunner:
         self.windows.set_newest(slots, out.token_ids)
         # the copies start now, ahead of the step's invocations, which go on while the host waits
         copied = read_back(out.token_ids, out.logprobs, out.logprob_token_ids)
-        by_req = {r: i for i, r in enumerate(req_ids)}
         wants = [p.num_logprobs for p in params]  # the mirrors may be gone when read back
 
         def to_host() -> dict[str, SampledToken]:
             ids, lps, lp_ids = (None if t is None else t.tolist() for t in copied())
-            result = {}
-            for r, i in by_req.items():
-                want = wants[i]
-                if lps is None or want < 0:
-                    result[r] = SampledToken(ids[i], None, ())
-                else:
-                    top = tuple(zip(lp_ids[i][1 : 1 + want], lps[i][1 : 1 + want], strict=True))
-                    result[r] = SampledToken(ids[i], lps[i][0], top)
-            return result
+            return dict(zip(req_ids, host_tokens(ids, lps, lp_ids, wants), strict=True))
 
         return to_host
 

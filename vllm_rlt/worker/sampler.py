@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS, samples_greedily
 from vllm_rlt.tensor_utils import counter_uniform, to_device
 
@@ -153,3 +154,16 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int):
         values = torch.cat([values, top_values], dim=-1)
         ids = torch.cat([ids, top_ids], dim=-1)
     return values, ids
+
+
+def host_tokens(ids: list[int], lps: list | None, lp_ids: list | None, wants: list[int]):
+    """`SampledToken`s from read-back sampler output (`SamplerOutput` as lists; `wants[i]`:
+    the top alternatives row i asked for, -1 for none)."""
+    result = []
+    for i, want in enumerate(wants):
+        if lps is None or want < 0:
+            result.append(SampledToken(ids[i], None, ()))
+        else:
+            top = tuple(zip(lp_ids[i][1 : 1 + want], lps[i][1 : 1 + want], strict=True))
+            result.append(SampledToken(ids[i], lps[i][0], top))
+    return result

@@ -157,6 +157,40 @@ class VerifySample:
 
 
 @dataclass(frozen=True)
+class RunRow:
+    """What the device needs of one decode row of a device run (`DecodeRun`) to decide its
+    token's exit after every loop, sample the next token and feed it back on its own."""
+
+    loops_done: int  # loops the row's token completed (0: it enters at the first invocation)
+    remaining: float  # the exit rule's running product of (1 - sigmoid(gate)) so far
+    exit_at: int  # the loop count it exits at: trace, or ouro_delayed once fired (0: not set)
+    position: int  # the token's position
+    num_sampled: int  # output tokens sampled so far: the next sample's output index
+    max_tokens: int  # the request's max_tokens: the row samples no further
+    min_loops: int  # the request's exit settings
+    max_loops: int
+    threshold: float
+    stop_token_ids: tuple[int, ...]  # a sampled one ends the row (EOS unless ignored, stop ids)
+    # trace mode: exit loops of the tokens of output index num_sampled, num_sampled + 1, ...
+    trace: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """A decode-only step whose rows cross token boundaries on the device
+    (docs/design/runner.md §7): before every invocation the rows whose token exited are sampled
+    (coda and sampler) and their next token enters at depth 0; after it every row's exit rule
+    runs on its gate, and an exit fills its skipped KV planes. The host reads the tokens back
+    once, after the step (`RunRowResult`)."""
+
+    exit_mode: str  # ouro, ouro_delayed or trace (make_exit_policy's modes)
+    rows: tuple[RunRow, ...]  # one per task of the batch, in plan order
+    # loop_count + 1 entries: whether a row may have exited before invocation i (the last entry:
+    # after the last invocation); the coda and sampler run only there
+    sample_at: tuple[bool, ...]
+
+
+@dataclass(frozen=True)
 class ExecutionBatch:
     requests: tuple[ScheduledRequest, ...]  # tasks of the first invocation
     loop_count: int  # invocations before control returns to the scheduler
@@ -171,6 +205,7 @@ class ExecutionBatch:
     drafts: tuple[DraftSample, ...] = ()  # draft tokens, each before its invocation
     verifies: tuple[VerifySample, ...] = ()  # windows accepted after the invocations
     finished_req_ids: tuple[str, ...] = ()  # requests the runner forgets before this step
+    decode_run: DecodeRun | None = None  # a device run over the (decode) tasks, loop_count long
 
     @property
     def num_rows(self) -> int:
@@ -181,6 +216,8 @@ class ExecutionBatch:
         depth-`num_loops` model: every task at `depth + invocation` until its final depth
         (decode rows never get that far in one batch); a drafting row moved on to the position
         it runs there (`ScheduledRequest.at`)."""
+        if self.decode_run is not None:  # every row runs every invocation, at the device's depth
+            return tuple((t, t.depth) for t in self.requests)
         rows = []
         for t in self.requests:
             if t.draft_loops:
@@ -207,6 +244,18 @@ class RunnerOutput:
     sampled: dict[str | VerifySample, SampledToken | tuple[SampledToken, ...]]
     # gate logits of the decode rows of the (single) invocation that `reads_gate`, in plan order
     decode_gate_logits: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RunRowResult:
+    """What a device run did with one row (host data): the tokens it sampled, each with the
+    loops of the token whose exit sampled it, and where the row's newest token stands."""
+
+    sampled: tuple[tuple[SampledToken, int], ...]  # (token, exit depth) oldest first
+    loops_done: int  # the newest token's loops (or, `ready`, the loops it exited after)
+    remaining: float  # its exit rule's running product
+    exit_at: int  # 0: not set
+    ready: bool  # it exited and waits for the coda (the next step samples it)
 
 
 def split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:

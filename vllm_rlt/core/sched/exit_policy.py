@@ -18,6 +18,8 @@ from vllm_rlt.request import DecodeToken, ExitSettings
 
 
 class ExitPolicy(Protocol):
+    name: str  # the exit_mode it implements (the device runs evaluate the same rule by name)
+
     def start(self, token: DecodeToken, settings: ExitSettings, request_id: str) -> None:
         """Called when a decode token enters depth 0."""
         ...
@@ -55,6 +57,8 @@ def _fires(token: DecodeToken, settings: ExitSettings, gate_logit: float) -> boo
 class OuroExit:
     """Exit at max_loops, or once the CDF reaches the threshold after at least min_loops."""
 
+    name = "ouro"
+
     def start(self, token: DecodeToken, settings: ExitSettings, request_id: str) -> None:
         pass
 
@@ -83,6 +87,8 @@ class OuroExit:
 class OuroDelayedExit(OuroExit):
     """Like `ouro`, but the token runs one more loop after the rule fires (within max_loops)."""
 
+    name = "ouro_delayed"
+
     def reads_gate(self, token: DecodeToken, settings: ExitSettings) -> bool:
         return token.exit_at is None and settings.threshold < 1.0
 
@@ -101,6 +107,8 @@ class OuroDelayedExit(OuroExit):
 class TraceExit:
     """Replay given loop counts: `settings.trace[i]` for decode position i (clamped to the
     request's loop bounds); positions past the trace, or without one, draw from `seed`."""
+
+    name = "trace"
 
     def __init__(self, seed: int | None):
         self.seed = seed

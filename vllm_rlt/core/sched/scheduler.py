@@ -28,7 +28,9 @@ import itertools
 from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.decode_planner import DecodePlanner
+from vllm_rlt.core.sched.device_runs import RunPlanner
 from vllm_rlt.core.sched.execution_batch import (
+    DecodeRun,
     ExecutionBatch,
     NewRequestData,
     RowKind,
@@ -56,10 +58,12 @@ class Scheduler:
         num_loops: int,
         atomic_prefill: bool = False,
         speculative: SpeculativeConfig | None = None,
+        device_runs: bool = False,
     ):
         """`atomic_prefill`: the model needs every prefill batch to run all its loops (Huginn):
         mixed scheduling then always keeps decode rows and prefill apart (R7). `speculative`:
-        self-speculative decoding settings (None or 0 drafts: off)."""
+        self-speculative decoding settings (None or 0 drafts: off). `device_runs`: the model's
+        decode rows can cross token boundaries on the device (device_runs.py)."""
         self.config = config
         self.atomic_prefill = atomic_prefill
         self.kv = kv_manager
@@ -71,6 +75,7 @@ class Scheduler:
             self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
         self.decode = DecodePlanner(config.scheduling_mode, exit_policy, self.spec)
         self.loop_rules = LoopRules(config, self.planner, self.decode, num_loops)
+        self.runs = RunPlanner(config, kv_manager, exit_policy, num_loops, device_runs)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -125,6 +130,7 @@ class Scheduler:
         admitted = self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
+        run = None  # a device run over the decode tasks (device_runs.py)
         mixed = self.config.scheduling_mode == "mixed"
         limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
         self._apart_now = mixed and self.decode.apart(self.running, limit)
@@ -137,13 +143,15 @@ class Scheduler:
             cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
             prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
-            tasks, loops = self._place(decode_tasks, prefill_tasks, samples, admitted)
+            run = None if prefill_tasks else self._run(decode_tasks)
+            tasks, loops = self._place(decode_tasks, prefill_tasks, samples, admitted, run)
             self.decode.record_ride(tasks, self.requests, loops, self.config)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
                 decode_tasks, samples = self.decode.plan(self.running, budget)
-                tasks, loops = self._place(decode_tasks, [], samples, admitted)
+                run = self._run(decode_tasks)
+                tasks, loops = self._place(decode_tasks, [], samples, admitted, run)
         new = tuple(self._new)
         changed = [r for r in self.kv.take_changed() if r in self.requests]
         drafts, verifies = self.spec.samples(tasks, loops, self.requests) if self.spec else ((), ())
@@ -164,6 +172,7 @@ class Scheduler:
             drafts=drafts,
             verifies=verifies,
             finished_req_ids=tuple(self._finished),
+            decode_run=run,
         )  # fmt: skip
         self._new, self._exits, self._finished = [], [], []
         return batch
@@ -228,10 +237,17 @@ class Scheduler:
         self.prefix_queries += queried
         self.prefix_hits += found
 
-    def _place(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict):
+    def _run(self, decode_tasks) -> DecodeRun | None:
+        """A device run of the decode tasks, its blocks allocated (None: the step runs them on
+        the host's decisions)."""
+        return self.runs.plan(decode_tasks, self.requests, self.running, self._exits)
+
+    def _place(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict, run=None):
         """Allocate the blocks the plan writes, preempting requests while they do not fit;
         returns the plan without the victims' tasks (`samples` loses their samples) and its
-        loop count."""
+        loop count. A device run `run` has its blocks already."""
+        if run is not None:
+            return decode_tasks, len(run.sample_at) - 1
         tasks = decode_tasks + prefill_tasks
         loops = self._loop_count(decode_tasks, prefill_tasks)
         while True:
@@ -318,8 +334,8 @@ class Scheduler:
         the next step can be scheduled before they are read back."""
         gates = iter(decode_gate_logits)
         for task in batch.requests:
-            if task.kind is RowKind.PREFILL:
-                continue
+            if task.kind is RowKind.PREFILL or batch.decode_run is not None:
+                continue  # (a device run's rows advance when its tokens are read back)
             gate = next(gates) if task.reads_gate else None
             req = self.requests.get(task.request_id)
             if req is not None and req.decode is not None:
@@ -347,10 +363,11 @@ class Scheduler:
         token = DecodeToken(position=req.prefill_len, index=index)
         self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
-    def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
+    def apply_tokens(self, batch: ExecutionBatch, sampled: dict, run=()) -> list[Request]:
         """The tokens `batch` sampled (request_id -> SampledToken; VerifySample -> the accepted
-        tokens), oldest unread first: stop checks; a request that finished meanwhile ignores its
-        later tokens. Returns the requests that got a token."""
+        tokens; `run`: a device run's `RunRowResult` per task), oldest unread first: stop
+        checks; a request that finished meanwhile ignores its later tokens. Returns the
+        requests that got a token."""
         touched = []
         for req_id in batch.sample_req_ids:
             req = self.requests.get(req_id)
@@ -362,7 +379,20 @@ class Scheduler:
             if req is not None and req.spec is not None and req.spec.verified:
                 self._accept(req, sampled[verify])
                 touched.append(req)
-        return touched
+        for task, result in zip(batch.requests, run, strict=False):
+            req = self.requests.get(task.request_id)
+            if req is not None:
+                self.runs.apply(req, result, self._append_token)
+                touched.append(req)
+        return list({id(r): r for r in touched}.values())
+
+    @staticmethod
+    def drop_outputs(req: Request, num_tokens: int) -> None:
+        """Keep `req`'s first `num_tokens` output tokens: a stop string ended it within tokens
+        that came back together; the rest never reach a client."""
+        del req.output_token_ids[num_tokens:]
+        del req.output_exit_depths[num_tokens:]
+        del req.output_logprobs[num_tokens:]
 
     def _accept(self, req: Request, tokens) -> None:
         """A verified window's tokens (accepted drafts, then the target's token): appended up to

@@ -1,0 +1,144 @@
+"""Early exit at full speed: offline throughput of a model shape with dummy weights (default
+Ouro-1.4B) under each exit configuration, with decode rows deciding their exits on the host
+after every loop (`device_decode_loops` 0) and in device runs (docs/design/runner.md §7).
+
+For each concurrency c: 2c requests of `--prompt-len` random token ids and `--output-len`
+forced outputs submitted at once to an engine of max_num_seqs = c (budget 2,048, chunk 512,
+mixed scheduling, CUDA graphs, async scheduling). Exit configurations:
+
+- `fixed`: exit threshold 1 (every token runs every loop; device runs never start);
+- `gate-full`: threshold `--threshold` and min_loops = the depth: every gate is read, every
+  token still runs every loop;
+- `gate`: threshold `--threshold` (dummy weights: random gates);
+- `trace`: exit_mode trace, each token's loops drawn in [1, depth] from `--trace-seed`.
+
+Engines (one per exit mode and path, sharing the weights, warmed up on the timed workload
+first) run every configuration in turn, `--repeats` interleaved rounds; reports the median
+output tokens/s, loops per token and exit efficiency E = (tok/s / fixed tok/s) / (depth /
+loops per token).
+
+    python -m benchmarks.early_exit --concurrency 1 8 32 --out early-exit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.model_shapes import write_shape
+from benchmarks.provenance import commit, engine_digest
+from benchmarks.wcpb_matrix import release_device_memory
+from vllm_rlt.benchmarks.metrics import engine_counters
+from vllm_rlt.benchmarks.throughput import run_requests
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.models.loader import load_model
+
+# configuration -> (exit mode, per-request sampling settings given the threshold and depth)
+CONFIGS = {
+    "fixed": ("ouro", lambda t, d: {"exit_threshold": 1.0}),
+    "gate-full": ("ouro", lambda t, d: {"exit_threshold": t, "min_loops": d}),
+    "gate": ("ouro", lambda t, d: {"exit_threshold": t}),
+    "trace": ("trace", lambda t, d: {}),
+}
+PATHS = {"host": 0, "device": None}  # device_decode_loops (None: --device-loops)
+
+
+def make_engines(args, model_dir: Path, concurrency: int) -> dict[tuple[str, str], LLMEngine]:
+    """(exit mode, path) -> an engine, all on one set of weights."""
+    loaded = load_model(model_dir, dtype=args.dtype, load_format="dummy")
+    engines = {}
+    for mode in dict.fromkeys(m for m, _ in CONFIGS.values()):
+        for path, loops in PATHS.items():
+            config = EngineConfig.from_kwargs(
+                model=str(model_dir), load_format="dummy", dtype=args.dtype,
+                max_num_seqs=concurrency, max_num_batched_tokens=2048, prefill_chunk_size=512,
+                kv_cache_memory_gb=args.kv_cache_gb, exit_mode=mode, trace_seed=args.trace_seed,
+                device_decode_loops=args.device_loops if loops is None else loops,
+            )  # fmt: skip
+            engines[mode, path] = LLMEngine(config, loaded)
+    return engines
+
+
+def bench(args, model_dir: Path, concurrency: int) -> list[dict]:
+    engines = make_engines(args, model_dir, concurrency)
+    depth = next(iter(engines.values())).num_loops
+    vocab = next(iter(engines.values())).model_config.vocab_size
+    rng = np.random.default_rng(0)
+    cells = [
+        (name, path) for name in CONFIGS for path in PATHS if (name, path) != ("fixed", "device")
+    ]
+    runs: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells}
+    for rep in range(args.repeats + 1):  # round 0 warms up (compiles, captures)
+        prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(2 * concurrency)]
+        for name, path in cells:
+            mode, params = CONFIGS[name]
+            engine = engines[mode, path]
+            before = engine.stats_dict()
+            records, wall = run_requests(
+                engine, prompts, args.output_len, **params(args.threshold, depth)
+            )
+            counters = engine_counters(before, engine.stats_dict(), len(prompts))
+            tok_s = len(prompts) * args.output_len / wall
+            print(
+                f"c={concurrency} round {rep} {name:9} {path:6} {tok_s:9.1f} tok/s  loops/token "
+                f"{counters['loops_per_token']:.2f}  steps {counters['steps']}",
+                flush=True,
+            )
+            if rep:
+                runs[name, path].append({"output_tok_s": tok_s, "wall_s": wall, "engine": counters})
+    del engines
+    release_device_memory()
+    fixed = statistics.median(r["output_tok_s"] for r in runs["fixed", "host"])
+    out = []
+    for (name, path), rs in runs.items():
+        tok_s = statistics.median(r["output_tok_s"] for r in rs)
+        loops = statistics.median(r["engine"]["loops_per_token"] for r in rs)
+        row = {
+            "concurrency": concurrency, "config": name, "path": path, "output_tok_s": tok_s,
+            "vs_fixed": tok_s / fixed, "loops_per_token": loops,
+            "exit_efficiency": tok_s / fixed / (depth / loops), "runs": rs,
+        }  # fmt: skip
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+               if k != "runs"})  # fmt: skip
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="ouro-1.4b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--threshold", type=float, default=0.6, help="exit threshold of gate configs")
+    p.add_argument("--trace-seed", type=int, default=1)
+    p.add_argument("--device-loops", type=int, default=16, help="device_decode_loops of runs")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-cache-gb", type=float, default=16.0, help="per engine (4 engines)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape(args.shape, tmp)
+        results = [row for c in args.concurrency for row in bench(args, model_dir, c)]
+    meta = {
+        "args": vars(args),
+        "commit": commit(),
+        "engine_sha256": engine_digest(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

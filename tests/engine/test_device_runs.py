@@ -1,0 +1,191 @@
+"""Device runs (docs/design/runner.md §7): decode-only steps whose exits, sampling and
+re-entry happen on the device compute what host-decided decoding computes: tokens, exit depths,
+finish reasons, text and logprobs, in every exit mode, with seeded sampling, stop tokens, EOS,
+stop strings, max_tokens, preemption and prefix hits, eagerly and through captured CUDA
+graphs (on the GPU); and they take far fewer engine steps."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.harness import Job, compare, kv_all_free, make_engine
+from vllm_rlt.core.sched.device_runs import RunPlanner
+from vllm_rlt.models.tiny import write_tiny_ouro
+from vllm_rlt.request import DecodeToken, ExitSettings, Request
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.invocation_timer import InvocationTimer
+
+TARGETS = [
+    ("cpu", "torch"),
+    pytest.param("cuda", "torch", marks=pytest.mark.gpu),
+    pytest.param("cuda", "triton", marks=pytest.mark.gpu),
+]
+MODES = {"ouro": {}, "ouro_delayed": {}, "trace": {"trace_seed": 3}}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=5)
+
+
+def _jobs(seed: int, num: int = 8) -> list[Job]:
+    """Gate-reading decoding (thresholds, min and max loops), greedy and seeded sampling with
+    top-k / top-p, logprobs, stop token ids; most arrive together, a few later."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(num):
+        greedy = rng.random() < 0.5
+        min_loops = rng.choice([None, 1, 2])
+        params = SamplingParams(
+            max_tokens=rng.randint(3, 24),
+            temperature=0.0 if greedy else rng.choice([0.7, 1.2]),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.9]),
+            seed=rng.randrange(10**6),
+            exit_threshold=rng.choice([0.3, 0.5, 0.7, 1.0]),
+            min_loops=min_loops,
+            max_loops=rng.choice([None, None, max(min_loops or 1, 3)]),
+            logprobs=rng.choice([None, 0, 2]),
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.sample(range(256), 6) if rng.random() < 0.3 else (),
+        )
+        prompt = rng.choices(range(256), k=rng.randint(1, 20))
+        jobs.append(Job(f"j{i}", prompt, params, rng.choice([0, 0, 0, 3, 9])))
+    return jobs
+
+
+def _run(eng, jobs: list[Job]) -> dict:
+    """{request: (tokens, exit depths, finish reason, text, logprobs)}."""
+    pending, final, step = sorted(jobs, key=lambda j: j.arrival_step), {}, 0
+    while pending or eng.has_unfinished_requests():
+        while pending and pending[0].arrival_step <= step:
+            job = pending.pop(0)
+            eng.add_request(job.req_id, job.prompt, job.params)
+        for out in eng.step():
+            if out.finished:
+                c = out.outputs[0]
+                final[out.request_id] = (tuple(c.token_ids), tuple(c.exit_depths),
+                                         c.finish_reason, c.text, c.logprobs)  # fmt: skip
+        step += 1
+    return final
+
+
+def _count_runs(eng) -> list[int]:
+    """Count the steps the scheduler plans as device runs (into the returned list)."""
+    count, schedule = [0], eng.scheduler.schedule
+
+    def counting():
+        batch = schedule()
+        count[0] += batch.decode_run is not None
+        return batch
+
+    eng.scheduler.schedule = counting
+    return count
+
+
+def _assert_same(eng, jobs, got: dict, want: dict, exact: bool) -> None:
+    """Same tokens and exit depths (on the GPU: or a proven near-tie, `compare`), finish
+    reasons and text; logprobs to fp32 rounding (the coda's rows differ between the two)."""
+    if exact:
+        assert {k: v[:4] for k, v in got.items()} == {k: v[:4] for k, v in want.items()}
+    else:
+        pick = lambda res: {k: v[:2] for k, v in res.items()}  # noqa: E731
+        if compare(eng, jobs, pick(got), pick(want), "last_exited"):
+            return  # a near-tie parts the two: what follows it differs
+    for req_id, (*_, lps) in got.items():
+        for a, b in zip(lps or (), want[req_id][4] or (), strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
+@pytest.mark.parametrize("device,backend", TARGETS)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_device_runs_compute_what_the_host_path_computes(model_dir, device, backend, mode):
+    jobs = _jobs(len(mode))
+    results, steps = {}, {}
+    for loops in (0, 16):
+        eng = make_engine(model_dir, device, backend, max_num_seqs=8, exit_mode=mode,
+                          device_decode_loops=loops, **MODES[mode])  # fmt: skip
+        eng.eos_token_ids = tuple(range(0, 256, 11))  # requests not ignoring EOS may stop on it
+        runs = _count_runs(eng)
+        results[loops] = _run(eng, jobs)
+        steps[loops] = eng.stats.steps
+        assert kv_all_free(eng)
+        assert bool(runs[0]) == bool(loops)
+    _assert_same(eng, jobs, results[16], results[0], exact=device == "cpu")
+    assert steps[16] < steps[0] / 2
+
+
+def test_preemption_and_prefix_hits(model_dir):
+    """A KV cache that forces preemptions (runs fall back to the host path where their blocks
+    do not fit) and prompts that share a cached prefix: the same results as host-decided
+    decoding."""
+    rng = random.Random(7)
+    system = rng.choices(range(256), k=12)
+    jobs = [Job(j.req_id, system + j.prompt, j.params, j.arrival_step) for j in _jobs(11, num=8)]
+    results, preempted = {}, {}
+    for loops in (0, 16):
+        eng = make_engine(model_dir, max_num_seqs=6, num_kv_blocks=80, block_size=4,
+                          enable_prefix_caching=True, device_decode_loops=loops)  # fmt: skip
+        runs = _count_runs(eng)
+        results[loops] = _run(eng, jobs)
+        preempted[loops] = eng.scheduler.num_preemptions
+        assert kv_all_free(eng) and eng.scheduler.prefix_hits > 0
+        assert bool(runs[0]) == bool(loops)
+    assert preempted[16] > 0
+    _assert_same(eng, jobs, results[16], results[0], exact=True)
+
+
+def test_a_stop_string_inside_a_run_drops_the_tokens_after_it(model_dir):
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, exit_threshold=0.5)
+    probe = make_engine(model_dir, device_decode_loops=0)
+    text = _run(probe, [Job("p", [7, 8, 9], greedy)])["p"][3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, exit_threshold=0.5,
+                            stop=[stop])  # fmt: skip
+    got = {}
+    for loops in (0, 16):
+        eng = make_engine(model_dir, device_decode_loops=loops)
+        got[loops] = _run(eng, [Job("s", [7, 8, 9], params)])["s"]
+        assert kv_all_free(eng)
+    assert got[16][:4] == got[0][:4]
+    tokens, _, reason, out_text, _ = got[16]
+    assert reason == "stop" and stop not in out_text and len(tokens) < 24
+
+
+def test_the_timer_times_every_invocation_of_a_run(model_dir):
+    eng = make_engine(model_dir, max_num_seqs=4)
+    eng.runner.timer = InvocationTimer(eng.runner.device)
+    runs = _count_runs(eng)
+    _run(eng, _jobs(2, num=4))
+    timed = eng.runner.timer.summary()
+    assert runs[0] and sum(s["count"] for s in timed.values()) == eng.stats.invocations
+
+
+def _planner(mode: str = "ouro") -> RunPlanner:
+    from vllm_rlt.config import SchedulerConfig
+    from vllm_rlt.core.sched.exit_policy import make_exit_policy
+
+    return RunPlanner(SchedulerConfig(), None, make_exit_policy(mode, 1), 4, True)
+
+
+def _decoding(min_loops: int, max_loops: int, threshold: float, loops_done: int) -> Request:
+    settings = ExitSettings(min_loops, max_loops, threshold)
+    req = Request("r", [1, 2], SamplingParams(max_tokens=99), settings, seed=0)
+    req.decode = DecodeToken(position=2, index=0, loops_done=loops_done)
+    return req
+
+
+def test_samples_only_where_a_token_may_have_exited():
+    planner = _planner()
+    # every gate read but min_loops = max_loops = 4: a token exits every 4 loops
+    assert planner._sample_at([_decoding(4, 4, 0.6, 1)], 12) == tuple(
+        i in (3, 7, 11) for i in range(13)
+    )
+    # exits after 2 to 4 loops, the first token has run 1: from invocation 1 on
+    gate = planner._sample_at([_decoding(2, 4, 0.6, 1)], 8)
+    assert gate == (False, True, True, True, True, True, True, True, True)
+    # a fixed-depth row beside a gated one samples at its depth's multiples only
+    fixed = planner._sample_at([_decoding(1, 4, 1.0, 0)], 9)
+    assert fixed == tuple(i in (4, 8) for i in range(10))

@@ -1,0 +1,150 @@
+"""Device runs (docs/design/scheduler.md §5): a decode-only step whose rows cross token
+boundaries on the device, with exit decisions, sampling and re-entry there and no host between
+its invocations (`DecodeRun`). `RunPlanner.plan` decides whether the step's decode rows run so
+and for how many invocations, and reserves the KV blocks every token they may produce writes;
+`RunPlanner.apply` takes the tokens back.
+
+A run is planned when every running request decodes (none in prefill, no speculative window),
+some decoding token's exit depends on its gate or varies (fixed-depth decoding already runs all
+its loops per step, R1), and the blocks fit without preempting anyone. Its length is
+`device_decode_loops`, at most `max_prefill_stall_loops` (R4: arrivals wait at most that many
+loops), and no longer than the rows' longest remaining work (`max_tokens`).
+"""
+
+from __future__ import annotations
+
+from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.execution_batch import (
+    DecodeRun,
+    RowKind,
+    RunRow,
+    RunRowResult,
+    ScheduledRequest,
+)
+from vllm_rlt.core.sched.exit_policy import ExitPolicy, TraceExit
+from vllm_rlt.core.sched.kv_demand import kv_demand
+from vllm_rlt.request import DecodeToken, Request
+
+
+class RunPlanner:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        exit_policy: ExitPolicy,
+        num_loops: int,
+        supported: bool,
+    ):
+        """`supported`: the model's decode rows can run so (its prelude and coda need no
+        attention)."""
+        self.max_loops = config.device_decode_loops
+        if config.max_prefill_stall_loops is not None:  # R4
+            self.max_loops = min(self.max_loops, config.max_prefill_stall_loops)
+        self.enabled = supported and self.max_loops > 1 and config.scheduling_mode != "no_refill"
+        self.kv = kv
+        self.exit_policy = exit_policy
+        self.num_loops = num_loops
+
+    def plan(
+        self,
+        tasks: list[ScheduledRequest],
+        requests: dict[str, Request],
+        running: list[Request],
+        exits: list[tuple[str, int, int]],
+    ) -> DecodeRun | None:
+        """A run over the decode `tasks` (every running request's, planned by DecodePlanner), or
+        None when the step runs as before: prefill work, speculative windows, fixed depth, or
+        blocks that do not fit. Allocates the run's blocks (`exits`: the skipped-depth copies
+        the step applies first)."""
+        if not self.enabled or not tasks or any(r.in_prefill for r in running):
+            return None
+        if any(t.kind is not RowKind.DECODE for t in tasks):
+            return None
+        reqs = [requests[t.request_id] for t in tasks]
+        if all(self.exit_policy.fixed_loops(r.exit) is not None for r in reqs):
+            return None
+        loops = min(self.max_loops, max(self._work(r) for r in reqs))
+        if loops < 2:
+            return None
+        need = kv_demand(self.kv, [], 0, exits, self.num_loops)
+        for r in reqs:  # every plane of each position a token of the run may write
+            end = min(r.decode.position + loops, r.max_positions)
+            for plane in range(self.kv.num_loop_planes):
+                need[r.request_id, plane] = max(need.get((r.request_id, plane), 0), end)
+        lacking = sum(self.kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
+        if lacking > self.kv.num_free_blocks:
+            return None  # the host path preempts
+        for (req_id, plane), end in need.items():
+            self.kv.allocate(req_id, plane, end)
+        rows = tuple(self._row(r, loops) for r in reqs)
+        return DecodeRun(self.exit_policy.name, rows, self._sample_at(reqs, loops))
+
+    def _work(self, req: Request) -> int:
+        """The most invocations the request's row can use: its token's remaining loops, then
+        every token it may still sample at full depth."""
+        left = req.sampling_params.max_tokens - req.num_sampled
+        return req.exit.max_loops - req.decode.loops_done + (left - 1) * req.exit.max_loops
+
+    def _row(self, req: Request, loops: int) -> RunRow:
+        tok, settings = req.decode, req.exit
+        trace = ()
+        if isinstance(self.exit_policy, TraceExit):  # the exit loops of the tokens it may start
+            starts = [DecodeToken(0, req.num_sampled + i) for i in range(loops)]
+            for t in starts:
+                self.exit_policy.start(t, settings, req.request_id)
+            trace = tuple(t.exit_at for t in starts)
+        params = req.sampling_params
+        stops = params.stop_token_ids + (() if params.ignore_eos else req.eos_token_ids)
+        return RunRow(
+            loops_done=tok.loops_done,
+            remaining=tok.remaining,
+            exit_at=tok.exit_at or 0,
+            position=tok.position,
+            num_sampled=req.num_sampled,
+            max_tokens=params.max_tokens,
+            min_loops=settings.min_loops,
+            max_loops=settings.max_loops,
+            threshold=settings.threshold,
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+            trace=trace,
+        )
+
+    def _sample_at(self, reqs: list[Request], loops: int) -> tuple[bool, ...]:
+        """Before which invocations (and after the last) some row's token may have exited: a
+        token exits after between `shortest` and max_loops loops, so its row samples at
+        invocation `loops to its exit` after it entered, at the earliest."""
+        may = [False] * (loops + 1)
+        for req in reqs:
+            settings, done = req.exit, req.decode.loops_done
+            fixed = self.exit_policy.fixed_loops(settings) is not None
+            shortest = settings.max_loops if fixed else settings.min_loops
+            first = range(max(shortest, done + 1), settings.max_loops + 1)
+            frontier, reached = [n - done for n in first], set()
+            while frontier:
+                at = frontier.pop()
+                if at <= loops and at not in reached:
+                    reached.add(at)
+                    frontier += [at + n for n in range(shortest, settings.max_loops + 1)]
+            for at in reached:
+                may[at] = True
+        return tuple(may)
+
+    def apply(self, req: Request, result: RunRowResult, append) -> None:
+        """Take a run's tokens for `req` (`append(req, token)`: the scheduler's stop checks, which
+        may finish it) and set its newest token's state as the device left it."""
+        for token, depth in result.sampled:
+            req.pending_exit_depths.append(depth)
+            append(req, token)
+            if req.status.finished:
+                return
+        if result.ready:
+            req.decode, req.ready_loops = None, result.loops_done
+            return
+        req.decode = DecodeToken(
+            position=req.num_tokens - 1,
+            index=req.num_sampled - 1,
+            loops_done=result.loops_done,
+            remaining=result.remaining,
+            exit_at=result.exit_at or None,
+        )

@@ -1,0 +1,149 @@
+"""The persistent device buffers of device runs (`worker/device_runs.py`): each run row's state
+and settings, its block tables, the static attention tables of its invocations and the record of
+what it sampled. Their addresses never change, so the run's functions, captured once as CUDA
+graphs, replay over whichever run the host loads into them (`RunState.load`). Allocated with the
+other per-request buffers, before the KV cache is sized."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from vllm_rlt.core.sched.execution_batch import DecodeRun
+from vllm_rlt.tensor_utils import to_device
+from vllm_rlt.worker.sampler import SamplerOutput, SamplingTensors
+
+
+class RunState:
+    def __init__(self, max_rows: int, max_loops: int, vocab_size: int, num_planes: int,
+                 max_blocks: int, hidden_size: int, dtype: torch.dtype, device):  # fmt: skip
+        """Room for `max_rows` rows, runs of up to `max_loops` invocations, block tables of
+        `max_blocks` blocks per plane."""
+        s, t, device = max_rows, max(max_loops, 1), torch.device(device)
+        self.device = device
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        # per row: its request's slot and decode row, its token's state, its settings
+        self.slots, self.state_rows = zeros(s), zeros(s)
+        self.loops, self.exit_at, self.position, self.count = zeros(s), zeros(s), zeros(s), zeros(s)
+        self.base, self.max_count, self.min_loops, self.max_loops = (zeros(s) for _ in range(4))
+        self.remaining, self.threshold = (
+            zeros(s, dtype=torch.float64),
+            zeros(s, dtype=torch.float64),
+        )
+        self.ready, self.done = zeros(s, dtype=torch.bool), zeros(s, dtype=torch.bool)
+        self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
+        self.trace = zeros(s, t)  # trace mode: exit loops of the tokens it starts, in order
+        self.temperature, self.top_p = zeros(s, dtype=torch.float32), zeros(s, dtype=torch.float32)
+        self.top_k, self.seeds = zeros(s), zeros(s)
+        # block tables of every plane, and the invocation's attention tables
+        self.tables = zeros(s, num_planes, max_blocks)
+        self.meta_tables = zeros(s, max_blocks, dtype=torch.int32)
+        self.slot_mapping, self.seg_starts = zeros(s), zeros(s, dtype=torch.int32)
+        self.hidden = zeros(s, hidden_size, dtype=dtype)
+        self.ids = torch.arange(s + 1, dtype=torch.int32, device=device)
+        self.ones = torch.ones(s, dtype=torch.int32, device=device)
+        self.arange = torch.arange(s, device=device)
+        self.planes = torch.arange(num_planes, device=device).expand(s, -1)
+        # what each sampling phase sampled (phase = the record's row)
+        self.tokens, self.depths = zeros(t + 1, s), zeros(t + 1, s)
+        self.sampled = zeros(t + 1, s, dtype=torch.bool)
+        self.phase = zeros(1)
+        self._logprobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def load(self, run: DecodeRun, mirrors, states, block_size: int) -> SamplingTensors:
+        """Load the run's rows (`mirrors`: RunMirror per row, `states`: the HiddenStateStore)
+        into the first R rows; returns their sampling tensors, views of the buffers."""
+        rows, r = run.rows, len(run.rows)
+        ints = np.array([
+            (m.slot, states.decode_row(m.slot), row.loops_done, row.exit_at, row.position,
+             row.num_sampled, row.num_sampled, row.max_tokens, row.min_loops, row.max_loops)
+            for m, row in zip(mirrors, rows, strict=True)
+        ], dtype=np.int64).T  # fmt: skip
+        dev = to_device(ints, torch.int64, self.device)
+        targets = (
+            self.slots, self.state_rows, self.loops, self.exit_at, self.position, self.count,
+            self.base, self.max_count, self.min_loops, self.max_loops,
+        )  # fmt: skip
+        for target, values in zip(targets, dev, strict=True):
+            target[:r].copy_(values)
+        floats = to_device([[x.remaining for x in rows], [x.threshold for x in rows]],
+                           torch.float64, self.device)  # fmt: skip
+        self.remaining[:r].copy_(floats[0])
+        self.threshold[:r].copy_(floats[1])
+        self.ready[:r] = False
+        self.done[:r] = False
+        self.phase.zero_()
+        width = -(-(max(x.position for x in rows) + run_length(run)) // block_size)
+        tables = np.zeros((r, self.tables.shape[1], width), dtype=np.int64)
+        for i, m in enumerate(mirrors):
+            for p in range(tables.shape[1]):
+                table = m.block_tables[p][:width]
+                tables[i, p, : len(table)] = table
+        self.tables[:r, :, :width].copy_(to_device(tables, torch.int64, self.device))
+        stops = [(i, t) for i, x in enumerate(rows) for t in x.stop_token_ids]
+        self.stop_mask[:r] = False
+        if stops:
+            index = to_device(stops, torch.int64, self.device)
+            self.stop_mask[index[:, 0], index[:, 1]] = True
+        traces = max(len(x.trace) for x in rows)
+        if traces:
+            trace = np.zeros((r, traces), dtype=np.int64)
+            for i, x in enumerate(rows):
+                trace[i, : len(x.trace)] = x.trace
+            self.trace[:r, :traces].copy_(to_device(trace, torch.int64, self.device))
+        return self._sampling([m.params for m in mirrors])
+
+    def _sampling(self, params: list) -> SamplingTensors:
+        r = len(params)
+        t = SamplingTensors.of(params, [0] * r, max(p.num_logprobs for p in params), self.device)
+        for target, values in ((self.temperature, t.temperature), (self.top_k, t.top_k),
+                               (self.top_p, t.top_p), (self.seeds, t.seeds)):  # fmt: skip
+            target[:r].copy_(values)
+        if t.num_logprobs >= 0 and t.num_logprobs not in self._logprobs:
+            shape = (*self.tokens.shape, 1 + t.num_logprobs)
+            self._logprobs[t.num_logprobs] = (
+                torch.zeros(shape, dtype=torch.float32, device=self.device),
+                torch.zeros(shape, dtype=torch.int64, device=self.device),
+            )
+        return replace(
+            t, temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
+            seeds=self.seeds[:r], counters=self.count[:r],
+        )  # fmt: skip
+
+    def record(self, r: int, out: SamplerOutput) -> None:
+        """Record a sampling phase of the first `r` rows: the tokens, which rows took theirs
+        (their token had exited), the exit depths, the logprobs."""
+        phase = self.phase
+        now = self.ready[:r] & ~self.done[:r]
+        self.tokens[:, :r].index_copy_(0, phase, out.token_ids[None])
+        self.sampled[:, :r].index_copy_(0, phase, now[None])
+        self.depths[:, :r].index_copy_(0, phase, self.loops[None, :r])
+        if out.logprobs is not None:
+            values, ids = self._logprobs[out.logprobs.shape[1] - 1]
+            values[:, :r].index_copy_(0, phase, out.logprobs[None])
+            ids[:, :r].index_copy_(0, phase, out.logprob_token_ids[None])
+        phase += 1
+
+    def logprob_views(self, num_logprobs: int, phases: int, r: int):
+        """(logprobs, their token ids) recorded in the first `phases` phases (None, None when
+        no row asked for logprobs)."""
+        if num_logprobs < 0:
+            return None, None
+        values, ids = self._logprobs[num_logprobs]
+        return values[:phases, :r], ids[:phases, :r]
+
+    def slot_of(self, r: int, plane: torch.Tensor, position: torch.Tensor, block_size: int):
+        """Flat KV slots of `position` in `plane` (both [r] or [r, P]) of the first r rows."""
+        index = self.arange[:r].view(-1, *([1] * (plane.dim() - 1))).expand_as(plane)
+        column = (position // block_size).clamp(max=self.tables.shape[2] - 1)
+        return self.tables[index, plane, column] * block_size + position % block_size
+
+
+def run_length(run: DecodeRun) -> int:
+    """Invocations of the run."""
+    return len(run.sample_at) - 1
