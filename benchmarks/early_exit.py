@@ -126,9 +126,6 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=16.0, help="per engine (4 engines)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_shape(args.shape, tmp)
-        results = [row for c in args.concurrency for row in bench(args, model_dir, c)]
     meta = {
         "args": vars(args),
         "commit": commit(),
@@ -137,7 +134,12 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_shape(args.shape, tmp)
+        for c in args.concurrency:  # (written after each concurrency)
+            results += bench(args, model_dir, c)
+            Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

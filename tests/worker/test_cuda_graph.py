@@ -231,6 +231,9 @@ def test_generation_through_static_buffers_equals_eager(
     jobs = random_jobs(random.Random(4), num_jobs, vocab=256, depth=4, max_prompt=20)
     kw = dict(scheduling_mode=mode, wavefront_chunked_prefill=wavefront, max_num_seqs=6)
     kw.update(prefill_chunk_size=chunk, max_num_batched_tokens=budget)
+    # (host-decided decode rows: device runs capture graphs of their own,
+    # tests/engine/test_device_runs.py)
+    kw.update(device_decode_loops=0)
     want = run_batched(make_engine(model_dir, "cpu", backend, enforce_eager=True, **kw), jobs)
     eng = make_engine(model_dir, "cpu", backend, **kw)
     calls = _force_static(eng)

@@ -161,6 +161,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None
+        # a device run queued by the last step: its tokens are read before the next plan
+        self._unread_run: tuple[ExecutionBatch, LaunchedStep] | None = None
         self._seeds = random.Random(mc.seed)  # seeds for requests that give none
         self.stats = EngineStats()
         eos = c.eos_token_id
@@ -306,29 +308,40 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and queue a step; returns the outputs of the tokens read back in it: this
-        step's, or with async scheduling the previous step's."""
+        step's, or with async scheduling the previous step's. A device run's tokens come with
+        the next step (which reads them before it plans: the plan needs its rows' states); the
+        tokens sampled at its start, first tokens among them, with its own step."""
+        outputs = self._read_run()
         batch = self.scheduler.schedule()
         launched = self.runner.execute(batch)
         self.stats.record_batch(batch, self.num_loops)
         self.scheduler.advance(batch, launched.decode_gate_logits)
         ready = (batch, launched)
-        if batch.decode_run is not None:  # the next plan needs its rows' states: read it now
-            unread, self._unread = self._unread, None
-            return (self._read_tokens(*unread) if unread else []) + self._read_tokens(*ready)
+        if batch.decode_run is not None:
+            unread, self._unread, self._unread_run = self._unread, None, ready
+            return (
+                outputs + (self._read_tokens(*unread) if unread else []) + self._read_tokens(*ready)
+            )
         if self.config.scheduler.async_scheduling:  # read the previous step's tokens instead
             ready, self._unread = self._unread, ready
-        return self._read_tokens(*ready) if ready is not None else []
+        return outputs + (self._read_tokens(*ready) if ready is not None else [])
 
     def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
-        """Apply and emit a step's tokens (several per request for a verified window or a
-        device run)."""
+        """Apply and emit a step's sampled tokens (several for a verified window)."""
         requests = self.scheduler.requests
-        many = [v.request_id for v in batch.verifies]
-        many += [t.request_id for t in batch.requests] if batch.decode_run is not None else []
-        before = {r: len(requests[r].output_token_ids) for r in many if r in requests}
-        run = launched.read_run() if launched.read_run is not None else ()
-        touched = self.scheduler.apply_tokens(batch, launched.read_tokens(), run)
-        return self._emit(touched, before)
+        windows = [v.request_id for v in batch.verifies]
+        before = {r: len(requests[r].output_token_ids) for r in windows if r in requests}
+        return self._emit(self.scheduler.apply_tokens(batch, launched.read_tokens()), before)
+
+    def _read_run(self) -> list[RequestOutput]:
+        """Apply and emit the tokens of the device run queued by the last step, if any."""
+        if self._unread_run is None:
+            return []
+        (batch, launched), self._unread_run = self._unread_run, None
+        requests = self.scheduler.requests
+        rows = [t.request_id for t in batch.requests if t.request_id in requests]
+        before = {r: len(requests[r].output_token_ids) for r in rows}
+        return self._emit(self.scheduler.apply_run(batch, launched.read_run()), before)
 
     def _emit(
         self, touched: list[Request], before: dict[str, int] | None = None

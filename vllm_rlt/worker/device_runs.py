@@ -36,7 +36,7 @@ from vllm_rlt.core.sched.execution_batch import DecodeRun, ExecutionBatch, RunRo
 from vllm_rlt.tensor_utils import read_back
 from vllm_rlt.worker.edge_stages import PlainEdges
 from vllm_rlt.worker.hidden_state import HiddenStateStore
-from vllm_rlt.worker.invocation_timer import InvocationTimer, invocation_shape
+from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.run_state import RunState
 from vllm_rlt.worker.sampler import SamplingTensors, host_tokens, sample
@@ -92,7 +92,7 @@ class DeviceRunner:
             if run.sample_at[i]:
                 self._call(("sample", r, *flags), lambda: self._sample(r, tensors))
             if i < n:
-                with self._timed(timer, r):
+                with self._timed(timer, r, max(row.position for row in run.rows)):
                     self._call(("step", r, run.exit_mode), lambda: self._step(r, run, meta))
         s = self.state
         phases = sum(run.sample_at)
@@ -220,10 +220,13 @@ class DeviceRunner:
         )  # fmt: skip
 
     @staticmethod
-    def _timed(timer: InvocationTimer | None, rows: int):
-        """Times an invocation of the run's `rows` (all decode rows) while a timer is attached."""
+    def _timed(timer: InvocationTimer | None, rows: int, position: int):
+        """Times an invocation of the run's `rows` (all decode rows; by context: keyed by the
+        newest position at the run's start) while a timer is attached."""
         if timer is None:
             return contextlib.nullcontext()
+        if timer.by_context:
+            return timer.time(detailed_shape(rows, rows, None, 0, position))
         return timer.time(invocation_shape(rows, rows, None))
 
 

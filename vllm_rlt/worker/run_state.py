@@ -78,7 +78,9 @@ class RunState:
         self.ready[:r] = False
         self.done[:r] = False
         self.phase.zero_()
-        width = -(-(max(x.position for x in rows) + run_length(run)) // block_size)
+        # the blocks of the positions the run may reach (its tokens stop at max_tokens)
+        end = max(x.position for x in rows) + run_length(run)
+        width = min(-(-end // block_size), self.tables.shape[2])
         tables = np.zeros((r, self.tables.shape[1], width), dtype=np.int64)
         for i, m in enumerate(mirrors):
             for p in range(tables.shape[1]):

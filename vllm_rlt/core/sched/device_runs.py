@@ -4,11 +4,13 @@ its invocations (`DecodeRun`). `RunPlanner.plan` decides whether the step's deco
 and for how many invocations, and reserves the KV blocks every token they may produce writes;
 `RunPlanner.apply` takes the tokens back.
 
-A run is planned when every running request decodes (none in prefill, no speculative window),
-some decoding token's exit depends on its gate or varies (fixed-depth decoding already runs all
-its loops per step, R1), and the blocks fit without preempting anyone. Its length is
-`device_decode_loops`, at most `max_prefill_stall_loops` (R4: arrivals wait at most that many
-loops), and no longer than the rows' longest remaining work (`max_tokens`).
+A run is planned for a batch of decode rows alone (no prefill task; under mixed scheduling such
+rows take turns with prefill batches, R7) with no speculative window, when some decoding token's
+exit depends on its gate or varies (fixed-depth decoding already runs all its loops per step,
+R1) and the blocks fit without preempting anyone. Its length is `device_decode_loops` (one
+token's loops while a prompt waits for its prefill turn), at most `max_prefill_stall_loops` (R4:
+arrivals wait at most that many loops), and no longer than the rows' longest remaining work
+(`max_tokens`).
 """
 
 from __future__ import annotations
@@ -53,18 +55,18 @@ class RunPlanner:
         running: list[Request],
         exits: list[tuple[str, int, int]],
     ) -> DecodeRun | None:
-        """A run over the decode `tasks` (every running request's, planned by DecodePlanner), or
-        None when the step runs as before: prefill work, speculative windows, fixed depth, or
-        blocks that do not fit. Allocates the run's blocks (`exits`: the skipped-depth copies
+        """A run over the decode `tasks` (of a batch without prefill tasks, planned by
+        DecodePlanner), or None when the step runs as before: speculative windows, fixed depth,
+        or blocks that do not fit. Allocates the run's blocks (`exits`: the skipped-depth copies
         the step applies first)."""
-        if not self.enabled or not tasks or any(r.in_prefill for r in running):
-            return None
-        if any(t.kind is not RowKind.DECODE for t in tasks):
+        if not self.enabled or not tasks or any(t.kind is not RowKind.DECODE for t in tasks):
             return None
         reqs = [requests[t.request_id] for t in tasks]
         if all(self.exit_policy.fixed_loops(r.exit) is not None for r in reqs):
             return None
-        loops = min(self.max_loops, max(self._work(r) for r in reqs))
+        # a prompt waiting for its prefill turn (R7) waits one token's loops at most
+        longest = self.num_loops if any(r.in_prefill for r in running) else self.max_loops
+        loops = min(longest, max(self._work(r) for r in reqs))
         if loops < 2:
             return None
         need = kv_demand(self.kv, [], 0, exits, self.num_loops)

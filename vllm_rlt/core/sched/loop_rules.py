@@ -16,9 +16,10 @@
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
   R7. decode apart from long prefill (`DecodePlanner.apart`, planned by the scheduler's
       `_take_turn`): while a prompt in prefill or a decoding position is past
-      `max_context_with_decode` (always, for a model that needs atomic prefill), decode-only
-      steps, which run to the first exit decision (R1 even with prompts in prefill), and
-      prefill-only batches of the whole budget (R2-R6) take turns.
+      `max_context_with_decode` (always, for a model that needs atomic prefill; with device
+      runs, while a decoding token reads its gate), decode-only steps, which run to the first
+      exit decision (R1 even with prompts in prefill) or as device runs, and prefill-only
+      batches of the whole budget (R2-R6) take turns.
 
 Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
 rows; a drafting row moves to its window's next position every d loops (`DraftSample`s).

@@ -133,9 +133,9 @@ class Scheduler:
         run = None  # a device run over the decode tasks (device_runs.py)
         mixed = self.config.scheduling_mode == "mixed"
         limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
-        self._apart_now = mixed and self.decode.apart(self.running, limit)
+        self._apart_now = mixed and self.decode.apart(self.running, limit, self.runs.enabled)
         if self._apart_now:
-            tasks, loops = self._take_turn(budget, samples, admitted)
+            tasks, loops, run = self._take_turn(budget, samples, admitted)
         elif mixed:
             self._prefill_turn = False
             decode_tasks, samples = self.decode.plan(self.running, budget)
@@ -299,18 +299,20 @@ class Scheduler:
 
     def _take_turn(self, budget: int, samples: list[str], admitted: dict):
         """R7's batch: prefill's turn takes the whole budget, decode's runs every decoding token
-        to its exit; a turn with no work passes to the other."""
+        to its exit (or a device run); a turn with no work passes to the other. Returns the
+        tasks, their loop count and the device run (or None)."""
         if self._prefill_turn:
             self._prefill_turn = False
             prefill_tasks = self._plan_prefill(budget)
             if prefill_tasks:
-                return self._place([], prefill_tasks, samples, admitted)
+                return *self._place([], prefill_tasks, samples, admitted), None
         decode_tasks, sampled = self.decode.plan(self.running, budget)
         samples += sampled
         if decode_tasks:
             self._prefill_turn = True
-            return self._place(decode_tasks, [], samples, admitted)
-        return self._place([], self._plan_prefill(budget), samples, admitted)
+            run = self._run(decode_tasks)
+            return *self._place(decode_tasks, [], samples, admitted, run), run
+        return *self._place([], self._plan_prefill(budget), samples, admitted), None
 
     def _loop_count(self, decode_tasks, prefill_tasks) -> int:
         return self.loop_rules.count(
@@ -363,11 +365,10 @@ class Scheduler:
         token = DecodeToken(position=req.prefill_len, index=index)
         self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
-    def apply_tokens(self, batch: ExecutionBatch, sampled: dict, run=()) -> list[Request]:
+    def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
         """The tokens `batch` sampled (request_id -> SampledToken; VerifySample -> the accepted
-        tokens; `run`: a device run's `RunRowResult` per task), oldest unread first: stop
-        checks; a request that finished meanwhile ignores its later tokens. Returns the
-        requests that got a token."""
+        tokens), oldest unread first: stop checks; a request that finished meanwhile ignores its
+        later tokens. Returns the requests that got a token."""
         touched = []
         for req_id in batch.sample_req_ids:
             req = self.requests.get(req_id)
@@ -379,12 +380,18 @@ class Scheduler:
             if req is not None and req.spec is not None and req.spec.verified:
                 self._accept(req, sampled[verify])
                 touched.append(req)
-        for task, result in zip(batch.requests, run, strict=False):
+        return list({id(r): r for r in touched}.values())
+
+    def apply_run(self, batch: ExecutionBatch, results) -> list[Request]:
+        """A device run's tokens and its rows' final states (`RunRowResult` per task, after the
+        step's own samples were applied); returns the requests still here."""
+        touched = []
+        for task, result in zip(batch.requests, results, strict=True):
             req = self.requests.get(task.request_id)
             if req is not None:
                 self.runs.apply(req, result, self._append_token)
                 touched.append(req)
-        return list({id(r): r for r in touched}.values())
+        return touched
 
     @staticmethod
     def drop_outputs(req: Request, num_tokens: int) -> None:
