@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from benchmarks.model_shapes import write_shape
-from benchmarks.provenance import commit, engine_digest
+from benchmarks.provenance import run_meta
 from benchmarks.wcpb_matrix import release_device_memory
 from vllm_rlt.benchmarks.metrics import engine_counters
 from vllm_rlt.benchmarks.throughput import run_requests
@@ -126,14 +124,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gb", type=float, default=16.0, help="per engine (4 engines)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    meta = {
-        "args": vars(args),
-        "commit": commit(),
-        "engine_sha256": engine_digest(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+    meta = run_meta(args)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape(args.shape, tmp)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
-from benchmarks.provenance import commit, engine_digest
+from benchmarks.provenance import run_meta
 from benchmarks.wcpb_matrix import add_async_scheduling_flag
 from vllm_rlt.benchmarks.metrics import device_time_by_name, gpu_busy_seconds, summarize
 from vllm_rlt.benchmarks.throughput import run_requests
@@ -140,15 +139,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape(args.shape, tmp)
         results = [bench(args, c, model_dir) for c in args.concurrency]
-    meta = {
-        "args": vars(args),
-        "commit": commit(),
-        "engine_sha256": engine_digest(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "python": platform.python_version(),
-    }
+    meta = run_meta(args)
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     for r in results:
         prof = r["profiled"]

@@ -8,9 +8,13 @@ digest of the current tree, to compare with a result's.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import platform
 import subprocess
 from pathlib import Path
+
+import torch
 
 import vllm_rlt
 
@@ -36,6 +40,20 @@ def engine_digest() -> str:
         h.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0")
         h.update(path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def run_meta(args: argparse.Namespace) -> dict:
+    """A result's provenance: its arguments, the commit and engine digest, the GPU and the
+    versions of torch, Triton and Python."""
+    return {
+        "args": vars(args),
+        "commit": commit(),
+        "engine_sha256": engine_digest(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "python": platform.python_version(),
+    }
 
 
 if __name__ == "__main__":
