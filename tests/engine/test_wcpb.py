@@ -301,9 +301,11 @@ def test_prefill_cap_beside_decode_rows_changes_no_result(model_dir):
         jobs, settings = workload(seed)
         cap = random.Random(seed).randint(1, 4)
         want = serial(model_dir, jobs)
+        # (host-decided exits: gate-reading decode rows of device runs never ride prefill)
         eng = engine(
-            model_dir, wavefront_chunked_prefill=True, max_prefill_rows_with_decode=cap, **settings
-        )
+            model_dir, wavefront_chunked_prefill=True, max_prefill_rows_with_decode=cap,
+            device_decode_loops=0, **settings,
+        )  # fmt: skip
         checking_cap(eng, cap, reached)
         got = run_batched(eng, jobs, check=invariants)
         assert compare(eng, jobs, got, want, "last_exited") == 0
