@@ -11,7 +11,9 @@ import random
 import pytest
 
 from tests.engine.harness import Job, compare, kv_all_free, make_engine
+from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.sched.device_runs import RunPlanner
+from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.request import DecodeToken, ExitSettings, Request
 from vllm_rlt.sampling_params import SamplingParams
@@ -163,11 +165,8 @@ def test_the_timer_times_every_invocation_of_a_run(model_dir):
     assert runs[0] and sum(s["count"] for s in timed.values()) == eng.stats.invocations
 
 
-def _planner(mode: str = "ouro") -> RunPlanner:
-    from vllm_rlt.config import SchedulerConfig
-    from vllm_rlt.core.sched.exit_policy import make_exit_policy
-
-    return RunPlanner(SchedulerConfig(), None, make_exit_policy(mode, 1), 4, True)
+def _planner() -> RunPlanner:
+    return RunPlanner(SchedulerConfig(), None, make_exit_policy("ouro", None), 4, True)
 
 
 def _decoding(min_loops: int, max_loops: int, threshold: float, loops_done: int) -> Request:
