@@ -78,8 +78,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def read_back(*tensors: torch.Tensor | None) -> Callable[[], tuple[torch.Tensor | None, ...]]:
     """Start copying `tensors` (None entries pass through) to the host; the returned function
     waits for those copies alone and gives the host tensors."""
-    if all(t is None or t.device.type != "cuda" for t in tensors):
-        return lambda: tensors
+    if all(t is None or t.device.type != "cuda" for t in tensors):  # copies of them now
+        hosts = tuple(None if t is None else t.clone() for t in tensors)
+        return lambda: hosts
     hosts = tuple(
         None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors
     )

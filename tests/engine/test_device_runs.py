@@ -7,6 +7,7 @@ graphs (on the GPU); and they take far fewer engine steps."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -75,12 +76,15 @@ def _run(eng, jobs: list[Job]) -> dict:
 
 
 def _count_runs(eng) -> list[int]:
-    """Count the steps the scheduler plans as device runs (into the returned list)."""
-    count, schedule = [0], eng.scheduler.schedule
+    """Count the steps the scheduler plans as device runs, and those of them that go on from
+    the run before (carried), into the returned list."""
+    count, schedule = [0, 0], eng.scheduler.schedule
 
     def counting():
         batch = schedule()
-        count[0] += batch.decode_run is not None
+        if batch is not None and batch.decode_run is not None:
+            count[0] += 1
+            count[1] += batch.decode_run.carried
         return batch
 
     eng.scheduler.schedule = counting
@@ -114,7 +118,7 @@ def test_device_runs_compute_what_the_host_path_computes(model_dir, device, back
         results[loops] = _run(eng, jobs)
         steps[loops] = eng.stats.steps
         assert kv_all_free(eng)
-        assert bool(runs[0]) == bool(loops)
+        assert bool(runs[0]) == bool(runs[1]) == bool(loops)
     _assert_same(eng, jobs, results[16], results[0], exact=device == "cpu")
     assert steps[16] < steps[0] / 2
 
@@ -137,6 +141,32 @@ def test_preemption_and_prefix_hits(model_dir):
         assert bool(runs[0]) == bool(loops)
     assert preempted[16] > 0
     _assert_same(eng, jobs, results[16], results[0], exact=True)
+
+
+def test_an_abort_while_a_carried_run_is_in_flight_ends_that_request_alone(model_dir):
+    """Aborted while the run carrying it is queued: it ends with what it had, its blocks go back
+    (the queued run still writes them, before anything planned later), and every other request
+    computes what it computes without it."""
+    jobs = [Job(j.req_id, j.prompt, j.params, 0) for j in _jobs(21, num=5)]
+    jobs = [Job(j.req_id, j.prompt, replace(j.params, max_tokens=40), 0) for j in jobs]
+    want = _run(make_engine(model_dir, device_decode_loops=0), jobs[1:])
+    eng = make_engine(model_dir, device_decode_loops=8)
+    runs = _count_runs(eng)
+    for job in jobs:
+        eng.add_request(job.req_id, job.prompt, job.params)
+    final = {}
+    while not runs[1]:  # until a carried run is in flight
+        final.update({o.request_id: o for o in eng.step() if o.finished})
+    aborted = eng.abort_request("j0")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    later = []
+    while eng.has_unfinished_requests():
+        later += eng.step()
+    final.update({o.request_id: o for o in later if o.finished})
+    assert "j0" not in {o.request_id for o in later}  # the queued run's tokens never come out
+    got = {r: tuple(o.outputs[0].token_ids) for r, o in final.items()}
+    assert got == {r: v[0] for r, v in want.items()}
+    assert kv_all_free(eng)
 
 
 def test_a_stop_string_inside_a_run_drops_the_tokens_after_it(model_dir):
@@ -165,26 +195,46 @@ def test_the_timer_times_every_invocation_of_a_run(model_dir):
     assert runs[0] and sum(s["count"] for s in timed.values()) == eng.stats.invocations
 
 
-def _planner() -> RunPlanner:
-    return RunPlanner(SchedulerConfig(), None, make_exit_policy("ouro", None), 4, True)
+def _planner(mode: str = "ouro") -> RunPlanner:
+    return RunPlanner(SchedulerConfig(), None, make_exit_policy(mode, None), 4, True)
 
 
-def _decoding(min_loops: int, max_loops: int, threshold: float, loops_done: int) -> Request:
-    settings = ExitSettings(min_loops, max_loops, threshold)
+def _decoding(
+    min_loops: int,
+    max_loops: int,
+    threshold: float,
+    loops_done: int,
+    trace: tuple[int, ...] | None = None,
+    exit_at: int | None = None,
+) -> Request:
+    settings = ExitSettings(min_loops, max_loops, threshold, trace)
     req = Request("r", [1, 2], SamplingParams(max_tokens=99), settings, seed=0)
-    req.decode = DecodeToken(position=2, index=0, loops_done=loops_done)
+    req.output_token_ids.append(5)
+    req.decode = DecodeToken(position=2, index=0, loops_done=loops_done, exit_at=exit_at)
     return req
+
+
+def _sample_at(planner: RunPlanner, req: Request, loops: int) -> tuple[bool, ...]:
+    return planner._sample_at([req], (planner._row(req, loops),), loops)
 
 
 def test_samples_only_where_a_token_may_have_exited():
     planner = _planner()
     # every gate read but min_loops = max_loops = 4: a token exits every 4 loops
-    assert planner._sample_at([_decoding(4, 4, 0.6, 1)], 12) == tuple(
+    assert _sample_at(planner, _decoding(4, 4, 0.6, 1), 12) == tuple(
         i in (3, 7, 11) for i in range(13)
     )
     # exits after 2 to 4 loops, the first token has run 1: from invocation 1 on
-    gate = planner._sample_at([_decoding(2, 4, 0.6, 1)], 8)
+    gate = _sample_at(planner, _decoding(2, 4, 0.6, 1), 8)
     assert gate == (False, True, True, True, True, True, True, True, True)
     # a fixed-depth row beside a gated one samples at its depth's multiples only
-    fixed = planner._sample_at([_decoding(1, 4, 1.0, 0)], 9)
+    fixed = _sample_at(planner, _decoding(1, 4, 1.0, 0), 9)
     assert fixed == tuple(i in (4, 8) for i in range(10))
+
+
+def test_traced_rows_sample_where_their_tokens_exit():
+    # the current token (index 0) exits at 3 and has run 1; the next take 2, 1, 4, 2, 1 loops
+    # (indices 1-5 of the trace), then max_loops (4) past its end
+    planner = _planner("trace")
+    req = _decoding(1, 4, 1.0, 1, trace=(3, 2, 1, 4, 2, 1), exit_at=3)
+    assert _sample_at(planner, req, 12) == tuple(i in (2, 4, 5, 9, 11, 12) for i in range(13))

@@ -310,14 +310,19 @@ class LLMEngine:
         """Schedule and queue a step; returns the outputs of the tokens read back in it: this
         step's, or with async scheduling the previous step's. A device run's tokens come with
         the next step (which reads them before it plans: the plan needs its rows' states); the
-        tokens sampled at its start, first tokens among them, with its own step."""
-        outputs = self._read_run()
+        tokens sampled at its start, first tokens among them, with its own step; a run that
+        goes on from the last one is queued before the last one's tokens are read."""
+        outputs = []
         batch = self.scheduler.schedule()
+        if batch is None:  # the plan needs the results of the run in flight
+            outputs = self._read_run()
+            batch = self.scheduler.schedule()
         launched = self.runner.execute(batch)
         self.stats.record_batch(batch, self.num_loops)
         self.scheduler.advance(batch, launched.decode_gate_logits)
         ready = (batch, launched)
         if batch.decode_run is not None:
+            outputs += self._read_run()  # the run this one continues
             unread, self._unread, self._unread_run = self._unread, None, ready
             return (
                 outputs + (self._read_tokens(*unread) if unread else []) + self._read_tokens(*ready)

@@ -2,8 +2,9 @@
 
 A run (`DecodeRun`, planned by `core/sched/device_runs.py`) is `loop_count` invocations over the
 same R decode rows with no host decision between them. The rows' state lives in persistent
-device buffers (`_State`): each token's loops, the exit rule's running product, its position and
-output count. Two functions of fixed shape advance it, all on the device:
+device buffers (`RunState`): each token's loops, the exit rule's running product, its position and
+output count. Two functions of fixed shape advance it, all on the device, their bookkeeping in the
+kernels of `kernels/run_rows.py` (off CUDA, their torch form `run_rows_torch.py`):
 
 - **sample** (only before the invocations where the plan's `sample_at` says a token may have
   exited, and after the last): the coda and the sampler over every row; rows whose token exited
@@ -33,7 +34,9 @@ import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.core.sched.execution_batch import DecodeRun, ExecutionBatch, RunRowResult
+from vllm_rlt.kernels import run_rows
 from vllm_rlt.tensor_utils import read_back
+from vllm_rlt.worker import run_rows_torch
 from vllm_rlt.worker.edge_stages import PlainEdges
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
@@ -70,6 +73,8 @@ class DeviceRunner:
         self.block_size = kv_cache.block_size
         self.scratch = kv_cache.scratch_block * kv_cache.block_size
         self.state = state
+        # the bookkeeping's kernels on CUDA, their torch form elsewhere
+        self.ops = run_rows if kv_cache.kv.is_cuda else run_rows_torch
         backends = [m.backend for m in model.modules() if hasattr(m, "backend")]
         # the torch reference backend loops over host copies of the segment tables
         self.host_tables = not all(getattr(b, "supports_cuda_graphs", False) for b in backends)
@@ -84,7 +89,7 @@ class DeviceRunner:
         result."""
         run, n = batch.decode_run, batch.loop_count
         params = [m.params for m in mirrors]
-        tensors = self.state.load(run, mirrors, self.states, self.block_size)
+        tensors = self.state.load(run, mirrors, self.states)
         r = len(mirrors)
         flags = (tensors.all_greedy, tensors.any_top_k_top_p, tensors.num_logprobs)
         meta = None if self.host_tables else self._metadata(r)
@@ -122,87 +127,27 @@ class DeviceRunner:
         self._graphs[key] = graph
 
     def _sample(self, r: int, tensors: SamplingTensors) -> None:
-        """The coda and the sampler for rows whose token exited; their next token starts."""
+        """The coda and the sampler over every row; rows whose token exited take theirs and
+        their next token starts."""
         s = self.state
         logits = self.edges.logits(self.states.buffer[s.state_rows[:r]], [])
         out = sample(logits, tensors)
-        s.record(r, out)
-        now = s.ready[:r] & ~s.done[:r]
-        slots = s.slots[:r]
-        newest = self.windows.tokens[slots, 0]
-        self.windows.tokens[slots, 0] = torch.where(now, out.token_ids, newest)
-        count = s.count[:r]
-        count += now
-        stop = s.stop_mask[:r].gather(1, out.token_ids[:, None])[:, 0]
-        ends = now & ((count >= s.max_count[:r]) | stop)
-        s.done[:r] |= ends
-        start = now & ~ends
-        s.ready[:r] &= ~now
-        s.loops[:r].masked_fill_(now, 0)
-        s.remaining[:r].masked_fill_(start, 1.0)
-        s.position[:r] += start
-        column = (count - 1 - s.base[:r]).clamp(0, s.trace.shape[1] - 1)
-        traced = s.trace[:r].gather(1, column[:, None])[:, 0]  # (0 outside trace mode)
-        s.exit_at[:r].copy_(torch.where(start, traced, s.exit_at[:r]))
+        s.record_logprobs(r, out)
+        self.ops.take_tokens(s, r, out.token_ids, self.windows.tokens)
 
     def _step(self, r: int, run: DecodeRun, meta: AttentionMetadata | None) -> None:
-        """One loop of every live row at its depth, then the exit rule on its gate (`meta`: the
+        """One loop of every live row at its depth, then the exit rule on its gate and, with
+        several loop planes, the fill of the planes exited tokens skip (`meta`: the
         invocation's static tables; None: built now)."""
         s = self.state
-        live = ~(s.done[:r] | s.ready[:r])
-        loops, positions = s.loops[:r], s.position[:r]
-        plane = loops.clamp(max=self.num_planes - 1)
-        slots = torch.where(live, s.slot_of(r, plane, positions, self.block_size), self.scratch)
-        s.slot_mapping[:r].copy_(slots)
-        s.seg_starts[:r].copy_(positions)
-        s.meta_tables[:r].copy_(s.tables[s.arange[:r], plane])
-        state_rows = s.state_rows[:r]
-        hidden = self.states.buffer[state_rows]
-        entering = (live & (loops == 0))[:, None]
-        entry = self.edges.enter(self.windows.tokens[s.slots[:r], 0], positions, [])
-        s.hidden[:r].copy_(torch.where(entering, entry.to(hidden.dtype), hidden))
+        entry = self.edges.enter(self.windows.tokens[s.slots[:r], 0], s.position[:r], [])
+        self.ops.enter_rows(s, r, entry, self.states.buffer, self.scratch, self.block_size)
         out, gate = self.model.recurrent_core(
             s.hidden[:r], meta or self._metadata(r), self.kv_cache
         )
-        self.states.buffer[state_rows] = torch.where(live[:, None], out, hidden)
-        loops += live
-        exits = self._exits(r, run.exit_mode, gate, live) & live
-        s.ready[:r] |= exits
+        self.ops.exit_rows(s, r, run.exit_mode, gate, out, self.states.buffer)
         if self.num_planes > 1:
-            self._fill_skipped(r, exits)
-
-    def _exits(self, r: int, mode: str, gate: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """The rows whose token exits after the loop just run (`exit_policy.py`'s rule)."""
-        s = self.state
-        loops, exit_at = s.loops[:r], s.exit_at[:r]
-        if mode == "trace":
-            return loops >= exit_at
-        pending = exit_at == 0
-        reads = live & (s.threshold[:r] < 1.0)
-        if mode == "ouro_delayed":
-            reads &= pending
-        remaining = s.remaining[:r]
-        remaining.copy_(torch.where(reads, remaining * (1.0 - _sigmoid(gate)), remaining))
-        fires = reads & (loops >= s.min_loops[:r]) & (1.0 - remaining >= s.threshold[:r])
-        max_loops = s.max_loops[:r]
-        if mode != "ouro_delayed":
-            return fires | (loops >= max_loops)
-        exit_at.copy_(torch.where(fires & pending, torch.minimum(loops + 1, max_loops), exit_at))
-        return loops >= torch.where(exit_at == 0, max_loops, exit_at)
-
-    def _fill_skipped(self, r: int, exits: torch.Tensor) -> None:
-        """LAST_EXITED: a token that exited after e loops copies its plane e-1 K/V at its
-        position into planes e..P-1 (copies of other rows go to the scratch slot)."""
-        s = self.state
-        planes = s.planes[:r]
-        loops = s.loops[:r, None]
-        fill = exits[:, None] & (planes >= loops)
-        position = s.position[:r, None].expand_as(planes)
-        src_plane = (loops - 1).clamp(min=0).expand_as(planes)
-        src = s.slot_of(r, src_plane, position, self.block_size)
-        dst = s.slot_of(r, planes, position, self.block_size)
-        src = torch.where(fill, src, self.scratch).flatten()
-        self.kv_cache.copy_slots(src, torch.where(fill, dst, self.scratch).flatten())
+            self.ops.fill_skipped(s, r, self.kv_cache.kv, self.block_size)
 
     def _metadata(self, r: int) -> AttentionMetadata:
         """One-row segments of the first `r` rows over the state's static tables (with host
@@ -228,13 +173,6 @@ class DeviceRunner:
         if timer.by_context:
             return timer.time(detailed_shape(rows, rows, None, 0, position))
         return timer.time(invocation_shape(rows, rows, None))
-
-
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """sigmoid in fp64, as the host rule computes it (exit_policy._sigmoid)."""
-    x = x.double()
-    e = torch.exp(-x.abs())
-    return torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
 def _results(copied, wants: list[int]) -> tuple[RunRowResult, ...]:

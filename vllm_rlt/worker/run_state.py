@@ -36,8 +36,10 @@ class RunState:
             zeros(s, dtype=torch.float64),
         )
         self.ready, self.done = zeros(s, dtype=torch.bool), zeros(s, dtype=torch.bool)
+        self.exited = zeros(s, dtype=torch.bool)  # its token exited in the last invocation
         self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
-        self.trace = zeros(s, t)  # trace mode: exit loops of the tokens it starts, in order
+        # trace mode: exit loops of the tokens it starts, in order (of a run and its carry)
+        self.trace = zeros(s, 2 * t)
         self.temperature, self.top_p = zeros(s, dtype=torch.float32), zeros(s, dtype=torch.float32)
         self.top_k, self.seeds = zeros(s), zeros(s)
         # block tables of every plane, and the invocation's attention tables
@@ -47,27 +49,51 @@ class RunState:
         self.hidden = zeros(s, hidden_size, dtype=dtype)
         self.ids = torch.arange(s + 1, dtype=torch.int32, device=device)
         self.ones = torch.ones(s, dtype=torch.int32, device=device)
-        self.arange = torch.arange(s, device=device)
-        self.planes = torch.arange(num_planes, device=device).expand(s, -1)
         # what each sampling phase sampled (phase = the record's row)
         self.tokens, self.depths = zeros(t + 1, s), zeros(t + 1, s)
         self.sampled = zeros(t + 1, s, dtype=torch.bool)
         self.phase = zeros(1)
         self._logprobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def load(self, run: DecodeRun, mirrors, states, block_size: int) -> SamplingTensors:
+    def load(self, run: DecodeRun, mirrors, states) -> SamplingTensors:
         """Load the run's rows (`mirrors`: RunMirror per row, `states`: the HiddenStateStore)
-        into the first R rows; returns their sampling tensors, views of the buffers."""
+        into the first R rows (a carried run: only what it changes); returns their sampling
+        tensors, views of the buffers."""
+        rows, r = run.rows, len(run.rows)
+        if not run.carried:
+            self._load_states(run, mirrors, states)
+        self.phase.zero_()
+        self.base[:r].copy_(to_device([x.num_sampled for x in rows], torch.int64, self.device))
+        # the blocks of the positions the runs may reach (all the rows' blocks)
+        planes = self.tables.shape[1]
+        width = min(max(len(t) for m in mirrors for t in m.block_tables[:planes]),
+                    self.tables.shape[2])  # fmt: skip
+        tables = np.zeros((r, planes, width), dtype=np.int64)
+        for i, m in enumerate(mirrors):
+            for p in range(planes):
+                table = m.block_tables[p][:width]
+                tables[i, p, : len(table)] = table
+        self.tables[:r, :, :width].copy_(to_device(tables, torch.int64, self.device))
+        traces = max(len(x.trace) for x in rows)
+        if traces:
+            trace = np.zeros((r, traces), dtype=np.int64)
+            for i, x in enumerate(rows):
+                trace[i, : len(x.trace)] = x.trace
+            self.trace[:r, :traces].copy_(to_device(trace, torch.int64, self.device))
+        return self._sampling([m.params for m in mirrors])
+
+    def _load_states(self, run: DecodeRun, mirrors, states) -> None:
+        """The rows' token states, counts, settings and stop tokens."""
         rows, r = run.rows, len(run.rows)
         ints = np.array([
             (m.slot, states.decode_row(m.slot), row.loops_done, row.exit_at, row.position,
-             row.num_sampled, row.num_sampled, row.max_tokens, row.min_loops, row.max_loops)
+             row.num_sampled, row.max_tokens, row.min_loops, row.max_loops)
             for m, row in zip(mirrors, rows, strict=True)
         ], dtype=np.int64).T  # fmt: skip
         dev = to_device(ints, torch.int64, self.device)
         targets = (
             self.slots, self.state_rows, self.loops, self.exit_at, self.position, self.count,
-            self.base, self.max_count, self.min_loops, self.max_loops,
+            self.max_count, self.min_loops, self.max_loops,
         )  # fmt: skip
         for target, values in zip(targets, dev, strict=True):
             target[:r].copy_(values)
@@ -77,28 +103,11 @@ class RunState:
         self.threshold[:r].copy_(floats[1])
         self.ready[:r] = False
         self.done[:r] = False
-        self.phase.zero_()
-        # the blocks of the positions the run may reach (its tokens stop at max_tokens)
-        end = max(x.position for x in rows) + run_length(run)
-        width = min(-(-end // block_size), self.tables.shape[2])
-        tables = np.zeros((r, self.tables.shape[1], width), dtype=np.int64)
-        for i, m in enumerate(mirrors):
-            for p in range(tables.shape[1]):
-                table = m.block_tables[p][:width]
-                tables[i, p, : len(table)] = table
-        self.tables[:r, :, :width].copy_(to_device(tables, torch.int64, self.device))
         stops = [(i, t) for i, x in enumerate(rows) for t in x.stop_token_ids]
         self.stop_mask[:r] = False
         if stops:
             index = to_device(stops, torch.int64, self.device)
             self.stop_mask[index[:, 0], index[:, 1]] = True
-        traces = max(len(x.trace) for x in rows)
-        if traces:
-            trace = np.zeros((r, traces), dtype=np.int64)
-            for i, x in enumerate(rows):
-                trace[i, : len(x.trace)] = x.trace
-            self.trace[:r, :traces].copy_(to_device(trace, torch.int64, self.device))
-        return self._sampling([m.params for m in mirrors])
 
     def _sampling(self, params: list) -> SamplingTensors:
         r = len(params)
@@ -117,19 +126,12 @@ class RunState:
             seeds=self.seeds[:r], counters=self.count[:r],
         )  # fmt: skip
 
-    def record(self, r: int, out: SamplerOutput) -> None:
-        """Record a sampling phase of the first `r` rows: the tokens, which rows took theirs
-        (their token had exited), the exit depths, the logprobs."""
-        phase = self.phase
-        now = self.ready[:r] & ~self.done[:r]
-        self.tokens[:, :r].index_copy_(0, phase, out.token_ids[None])
-        self.sampled[:, :r].index_copy_(0, phase, now[None])
-        self.depths[:, :r].index_copy_(0, phase, self.loops[None, :r])
+    def record_logprobs(self, r: int, out: SamplerOutput) -> None:
+        """The logprobs of the first `r` rows in this sampling phase, if any row asked."""
         if out.logprobs is not None:
             values, ids = self._logprobs[out.logprobs.shape[1] - 1]
-            values[:, :r].index_copy_(0, phase, out.logprobs[None])
-            ids[:, :r].index_copy_(0, phase, out.logprob_token_ids[None])
-        phase += 1
+            values[:, :r].index_copy_(0, self.phase, out.logprobs[None])
+            ids[:, :r].index_copy_(0, self.phase, out.logprob_token_ids[None])
 
     def logprob_views(self, num_logprobs: int, phases: int, r: int):
         """(logprobs, their token ids) recorded in the first `phases` phases (None, None when
@@ -138,14 +140,3 @@ class RunState:
             return None, None
         values, ids = self._logprobs[num_logprobs]
         return values[:phases, :r], ids[:phases, :r]
-
-    def slot_of(self, r: int, plane: torch.Tensor, position: torch.Tensor, block_size: int):
-        """Flat KV slots of `position` in `plane` (both [r] or [r, P]) of the first r rows."""
-        index = self.arange[:r].view(-1, *([1] * (plane.dim() - 1))).expand_as(plane)
-        column = (position // block_size).clamp(max=self.tables.shape[2] - 1)
-        return self.tables[index, plane, column] * block_size + position % block_size
-
-
-def run_length(run: DecodeRun) -> int:
-    """Invocations of the run."""
-    return len(run.sample_at) - 1

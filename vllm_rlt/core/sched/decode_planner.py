@@ -57,7 +57,9 @@ class DecodePlanner:
         if not decoding or not prefilling:
             return False
         if not self.fixed_loops(decoding):
-            return runs
+            return runs and any(
+                self.exit_policy.reads_gate(r.decode or DecodeToken(0, 0), r.exit) for r in decoding
+            )
         return any(r.prefill_len > limit for r in prefilling) or any(
             r.num_tokens > limit for r in decoding
         )

@@ -69,18 +69,61 @@ class RunPlanner:
         loops = min(longest, max(self._work(r) for r in reqs))
         if loops < 2:
             return None
+        if not self._reserve(reqs, loops, exits):
+            return None  # the host path preempts
+        rows = tuple(self._row(r, loops) for r in reqs)
+        return DecodeRun(self.exit_policy.name, rows, self._sample_at(reqs, rows, loops))
+
+    def carry(
+        self, flight: DecodeRun, reqs: list[Request], running: list[Request], waiting: bool
+    ) -> DecodeRun | None:
+        """The run that goes on from `flight` (the last run, not read back yet: the rows'
+        states in `reqs` are those it started from) over the same rows, or None when the next
+        plan needs its results: a row ended or left, another request runs, a waiting one
+        (`waiting`) may take a seat the run frees, no row has work left after it, or the
+        blocks do not fit. Allocates the blocks of both runs' positions."""
+        if (
+            not self.enabled
+            or len(reqs) != len(running)
+            or set(map(id, reqs)) != set(map(id, running))
+        ):
+            return None
+        if any(r.decode is None or r.status.finished for r in reqs):
+            return None
+        before = len(flight.sample_at) - 1
+        if waiting and any(
+            self._may_end(r, row, sum(flight.sample_at))
+            for r, row in zip(reqs, flight.rows, strict=True)
+        ):
+            return None
+        loops = min(self.max_loops, max(self._work(r) for r in reqs) - before)
+        if loops < 2:
+            return None
+        if not self._reserve(reqs, before + loops, []):
+            return None
+        rows = tuple(self._row(r, before + loops) for r in reqs)
+        reach = self._sample_at(reqs, rows, before + loops)
+        return DecodeRun(self.exit_policy.name, rows, (False, *reach[before + 1 :]), carried=True)
+
+    @staticmethod
+    def _may_end(req: Request, row: RunRow, samples: int) -> bool:
+        """Whether the row may end within a run of `samples` sampling phases."""
+        return bool(row.stop_token_ids) or row.max_tokens - req.num_sampled <= samples
+
+    def _reserve(self, reqs: list[Request], loops: int, exits) -> bool:
+        """Allocate every plane of each position a token of the next `loops` invocations may
+        write (and `exits`' copies); False (nothing allocated) when the blocks do not fit."""
         need = kv_demand(self.kv, [], 0, exits, self.num_loops)
-        for r in reqs:  # every plane of each position a token of the run may write
+        for r in reqs:
             end = min(r.decode.position + loops, r.max_positions)
             for plane in range(self.kv.num_loop_planes):
                 need[r.request_id, plane] = max(need.get((r.request_id, plane), 0), end)
         lacking = sum(self.kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
         if lacking > self.kv.num_free_blocks:
-            return None  # the host path preempts
+            return False
         for (req_id, plane), end in need.items():
             self.kv.allocate(req_id, plane, end)
-        rows = tuple(self._row(r, loops) for r in reqs)
-        return DecodeRun(self.exit_policy.name, rows, self._sample_at(reqs, loops))
+        return True
 
     def _work(self, req: Request) -> int:
         """The most invocations the request's row can use: its token's remaining loops, then
@@ -112,25 +155,40 @@ class RunPlanner:
             trace=trace,
         )
 
-    def _sample_at(self, reqs: list[Request], loops: int) -> tuple[bool, ...]:
+    def _sample_at(
+        self, reqs: list[Request], rows: tuple[RunRow, ...], loops: int
+    ) -> tuple[bool, ...]:
         """Before which invocations (and after the last) some row's token may have exited: a
-        token exits after between `shortest` and max_loops loops, so its row samples at
-        invocation `loops to its exit` after it entered, at the earliest."""
+        traced token exits at its given depth; any other exits after between `shortest` and
+        max_loops loops, so its row samples at invocation `loops to its exit` after it entered,
+        at the earliest."""
         may = [False] * (loops + 1)
-        for req in reqs:
-            settings, done = req.exit, req.decode.loops_done
-            fixed = self.exit_policy.fixed_loops(settings) is not None
-            shortest = settings.max_loops if fixed else settings.min_loops
-            first = range(max(shortest, done + 1), settings.max_loops + 1)
-            frontier, reached = [n - done for n in first], set()
-            while frontier:
-                at = frontier.pop()
-                if at <= loops and at not in reached:
-                    reached.add(at)
-                    frontier += [at + n for n in range(shortest, settings.max_loops + 1)]
-            for at in reached:
+        for req, row in zip(reqs, rows, strict=True):
+            for at in self._exits_at(req, row, loops):
                 may[at] = True
         return tuple(may)
+
+    def _exits_at(self, req: Request, row: RunRow, loops: int) -> set[int]:
+        """The invocations (up to `loops`) after which the row's tokens may exit."""
+        settings, done = req.exit, req.decode.loops_done
+        if row.trace:  # the depths are known: its current token's, then the trace's
+            at, reached = row.exit_at - done, set()
+            for depth in (0, *row.trace):
+                at += depth
+                if at > loops:
+                    break
+                reached.add(at)
+            return reached
+        fixed = self.exit_policy.fixed_loops(settings) is not None
+        shortest = settings.max_loops if fixed else settings.min_loops
+        first = range(max(shortest, done + 1), settings.max_loops + 1)
+        frontier, reached = [n - done for n in first], set()
+        while frontier:
+            at = frontier.pop()
+            if at <= loops and at not in reached:
+                reached.add(at)
+                frontier += [at + n for n in range(shortest, settings.max_loops + 1)]
+        return reached
 
     def apply(self, req: Request, result: RunRowResult, append) -> None:
         """Take a run's tokens for `req` (`append(req, token)`: the scheduler's stop checks, which

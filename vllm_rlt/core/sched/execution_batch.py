@@ -188,6 +188,10 @@ class DecodeRun:
     # loop_count + 1 entries: whether a row may have exited before invocation i (the last entry:
     # after the last invocation); the coda and sampler run only there
     sample_at: tuple[bool, ...]
+    # the rows are the last run's, in its order, and go on from the state it leaves on the
+    # device (planned before the host read it back): the device takes only their block tables,
+    # `num_sampled` and `trace` (counted from it: the tokens of both runs)
+    carried: bool = False
 
 
 @dataclass(frozen=True)

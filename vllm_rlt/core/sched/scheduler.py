@@ -86,6 +86,7 @@ class Scheduler:
         self._ranks = itertools.count()
         self._apart_now = False  # R7 holds in this step
         self._prefill_turn = False  # under R7: the next batch is prefill's
+        self._flight: ExecutionBatch | None = None  # the last device run, its results not applied
         self.num_preemptions = 0
         self.prefix_queries = 0  # positions looked up in the prefix cache at admission
         self.prefix_hits = 0  # positions found there
@@ -126,7 +127,11 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- schedule ---------------------------------------------------------------------------
-    def schedule(self) -> ExecutionBatch:
+    def schedule(self) -> ExecutionBatch | None:
+        """The next step's plan; None while a device run is in flight (planned, its results not
+        applied) and the next plan is not its continuation: apply them (`apply_run`) first."""
+        if self._flight is not None:
+            return self._carry()
         admitted = self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
@@ -152,6 +157,25 @@ class Scheduler:
                 decode_tasks, samples = self.decode.plan(self.running, budget)
                 run = self._run(decode_tasks)
                 tasks, loops = self._place(decode_tasks, [], samples, admitted, run)
+        batch = self._batch(tasks, loops, samples, run)
+        self._flight = batch if run is not None else None
+        return batch
+
+    def _carry(self) -> ExecutionBatch | None:
+        """The run that goes on from the one in flight (device_runs.py `carry`), or None."""
+        flight = self._flight
+        reqs = [self.requests.get(t.request_id) for t in flight.requests]
+        seats = len(self.running) < self.config.max_num_seqs
+        if None in reqs or (self.waiting and seats):  # a waiting request takes a seat now
+            return None
+        run = self.runs.carry(flight.decode_run, reqs, self.running, bool(self.waiting))
+        if run is None:
+            return None
+        self._flight = self._batch(list(flight.requests), len(run.sample_at) - 1, [], run)
+        return self._flight
+
+    def _batch(self, tasks, loops: int, samples: list[str], run) -> ExecutionBatch:
+        """The plan of `tasks` (with the step's pending table changes, copies and endings)."""
         new = tuple(self._new)
         changed = [r for r in self.kv.take_changed() if r in self.requests]
         drafts, verifies = self.spec.samples(tasks, loops, self.requests) if self.spec else ((), ())
@@ -385,6 +409,8 @@ class Scheduler:
     def apply_run(self, batch: ExecutionBatch, results) -> list[Request]:
         """A device run's tokens and its rows' final states (`RunRowResult` per task, after the
         step's own samples were applied); returns the requests still here."""
+        if batch is self._flight:
+            self._flight = None
         touched = []
         for task, result in zip(batch.requests, results, strict=True):
             req = self.requests.get(task.request_id)

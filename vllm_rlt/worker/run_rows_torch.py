@@ -1,0 +1,103 @@
+"""The bookkeeping of device runs in torch ops: the four functions of `kernels/run_rows.py`, same
+signatures, same results bit for bit (the kernels' test oracle). Device runs use these off CUDA,
+where the Triton interpreter would run each kernel's programs in Python."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.kernels.run_rows import EXIT_MODES
+
+
+def _live(s, r: int) -> torch.Tensor:
+    return ~(s.done[:r] | s.ready[:r])
+
+
+def _slots(s, r: int, plane: torch.Tensor, position: torch.Tensor, block_size: int):
+    """Flat KV slots of `position` in `plane` (both [r] or [r, P]) of the first r rows."""
+    index = torch.arange(r, device=plane.device).view(-1, *([1] * (plane.dim() - 1)))
+    column = (position // block_size).clamp(max=s.tables.shape[2] - 1)
+    return s.tables[index.expand_as(plane), plane, column] * block_size + position % block_size
+
+
+def enter_rows(s, r: int, entry: torch.Tensor, buffer: torch.Tensor, scratch: int,
+               block_size: int) -> None:  # fmt: skip
+    """`kernels/run_rows.enter_rows`."""
+    live, loops, positions = _live(s, r), s.loops[:r], s.position[:r]
+    plane = loops.clamp(max=s.tables.shape[1] - 1)
+    slots = _slots(s, r, plane, positions, block_size)
+    s.slot_mapping[:r].copy_(torch.where(live, slots, scratch))
+    s.seg_starts[:r].copy_(positions)
+    s.meta_tables[:r].copy_(s.tables[torch.arange(r, device=plane.device), plane])
+    entering = (live & (loops == 0))[:, None]
+    s.hidden[:r].copy_(torch.where(entering, entry.to(buffer.dtype), buffer[s.state_rows[:r]]))
+
+
+def exit_rows(s, r: int, mode: str, gate: torch.Tensor, out: torch.Tensor,
+              buffer: torch.Tensor) -> None:  # fmt: skip
+    """`kernels/run_rows.exit_rows`."""
+    live, loops, exit_at = _live(s, r), s.loops[:r], s.exit_at[:r]
+    rows = s.state_rows[:r]
+    buffer[rows] = torch.where(live[:, None], out, buffer[rows])
+    loops += live
+    if EXIT_MODES[mode] == EXIT_MODES["trace"]:
+        exits = loops >= exit_at
+    else:
+        pending = exit_at == 0
+        reads = live & (s.threshold[:r] < 1.0)
+        if mode == "ouro_delayed":
+            reads &= pending
+        x = gate.double()
+        e = torch.exp(-x.abs())
+        sigmoid = torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        remaining = s.remaining[:r]
+        remaining.copy_(torch.where(reads, remaining * (1.0 - sigmoid), remaining))
+        fires = reads & (loops >= s.min_loops[:r]) & (1.0 - remaining >= s.threshold[:r])
+        max_loops = s.max_loops[:r]
+        if mode == "ouro":
+            exits = fires | (loops >= max_loops)
+        else:
+            exit_at.copy_(
+                torch.where(fires & pending, torch.minimum(loops + 1, max_loops), exit_at)
+            )
+            exits = loops >= torch.where(exit_at == 0, max_loops, exit_at)
+    s.exited[:r].copy_(exits & live)
+    s.ready[:r] |= s.exited[:r]
+
+
+def fill_skipped(s, r: int, kv: torch.Tensor, block_size: int) -> None:
+    """`kernels/run_rows.fill_skipped`."""
+    planes = torch.arange(s.tables.shape[1], device=kv.device).expand(r, -1)
+    loops = s.loops[:r, None]
+    fill = s.exited[:r, None] & (planes >= loops)
+    position = s.position[:r, None].expand_as(planes)
+    src = _slots(s, r, (loops - 1).clamp(min=0).expand_as(planes), position, block_size)
+    dst = _slots(s, r, planes, position, block_size)
+    src, dst = src[fill], dst[fill]
+    flat = kv.view(kv.shape[0], 2, -1, *kv.shape[-2:])
+    flat[:, :, dst] = flat[:, :, src]
+
+
+def take_tokens(s, r: int, token_ids: torch.Tensor, window_tokens: torch.Tensor) -> None:
+    """`kernels/run_rows.take_tokens`."""
+    phase = s.phase
+    now = s.ready[:r] & ~s.done[:r]
+    s.tokens[:, :r].index_copy_(0, phase, token_ids[None])
+    s.sampled[:, :r].index_copy_(0, phase, now[None])
+    s.depths[:, :r].index_copy_(0, phase, s.loops[None, :r])
+    slots = s.slots[:r]
+    window_tokens[slots, 0] = torch.where(now, token_ids, window_tokens[slots, 0])
+    count = s.count[:r]
+    count += now
+    stop = s.stop_mask[:r].gather(1, token_ids[:, None])[:, 0]
+    ends = now & ((count >= s.max_count[:r]) | stop)
+    s.done[:r] |= ends
+    start = now & ~ends
+    s.ready[:r] &= ~now
+    s.loops[:r].masked_fill_(now, 0)
+    s.remaining[:r].masked_fill_(start, 1.0)
+    s.position[:r] += start
+    column = (count - 1 - s.base[:r]).clamp(0, s.trace.shape[1] - 1)
+    traced = s.trace[:r].gather(1, column[:, None])[:, 0]
+    s.exit_at[:r].copy_(torch.where(start, traced, s.exit_at[:r]))
+    phase += 1
