@@ -4,7 +4,8 @@ after every loop (`device_decode_loops` 0) and in device runs (docs/design/runne
 
 For each concurrency c: 2c requests of `--prompt-len` random token ids and `--output-len`
 forced outputs submitted at once to an engine of max_num_seqs = c (budget 2,048, chunk 512,
-mixed scheduling, CUDA graphs, async scheduling). Exit configurations:
+mixed scheduling, CUDA graphs, async scheduling, no prefix caching: the configurations that
+share an engine run the same prompts). Exit configurations:
 
 - `fixed`: exit threshold 1 (every token runs every loop; device runs never start);
 - `gate-full`: threshold `--threshold` and min_loops = the depth: every gate is read, every
@@ -15,7 +16,9 @@ mixed scheduling, CUDA graphs, async scheduling). Exit configurations:
 Engines (one per exit mode and path, sharing the weights, warmed up on the timed workload
 first) run every configuration in turn, `--repeats` interleaved rounds; reports the median
 output tokens/s, loops per token and exit efficiency E = (tok/s / fixed tok/s) / (depth /
-loops per token).
+loops per token); and, from a round of the same prompts with one output token each (their
+prefill alone), decode tok/s (the tokens after the first over the wall time beyond that
+round's) and its E.
 
     python -m benchmarks.early_exit --concurrency 1 8 32 --out early-exit.json
 """
@@ -59,6 +62,7 @@ def make_engines(args, model_dir: Path, concurrency: int) -> dict[tuple[str, str
                 model=str(model_dir), load_format="dummy", dtype=args.dtype,
                 max_num_seqs=concurrency, max_num_batched_tokens=2048, prefill_chunk_size=512,
                 kv_cache_memory_gb=args.kv_cache_gb, exit_mode=mode, trace_seed=args.trace_seed,
+                enable_prefix_caching=False,  # configurations sharing an engine share prompts
                 device_decode_loops=args.device_loops if loops is None else loops,
             )  # fmt: skip
             engines[mode, path] = LLMEngine(config, loaded)
@@ -74,8 +78,11 @@ def bench(args, model_dir: Path, concurrency: int) -> list[dict]:
         (name, path) for name in CONFIGS for path in PATHS if (name, path) != ("fixed", "device")
     ]
     runs: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells}
+    prefill_walls = []  # the prompts alone: fixed depth, one output token each
     for rep in range(args.repeats + 1):  # round 0 warms up (compiles, captures)
         prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(2 * concurrency)]
+        _, wall = run_requests(engines["ouro", "host"], prompts, 1, exit_threshold=1.0)
+        prefill_walls += [wall] if rep else []
         for name, path in cells:
             mode, params = CONFIGS[name]
             engine = engines[mode, path]
@@ -95,14 +102,25 @@ def bench(args, model_dir: Path, concurrency: int) -> list[dict]:
     del engines
     release_device_memory()
     fixed = statistics.median(r["output_tok_s"] for r in runs["fixed", "host"])
+    prefill = statistics.median(prefill_walls)
+    # decode tok/s: the tokens after the first over the wall time beyond the prompts' own
+    decode = {
+        cell: statistics.median(
+            len(prompts) * (args.output_len - 1) / (r["wall_s"] - prefill) for r in rs
+        )
+        for cell, rs in runs.items()
+    }
     out = []
     for (name, path), rs in runs.items():
         tok_s = statistics.median(r["output_tok_s"] for r in rs)
         loops = statistics.median(r["engine"]["loops_per_token"] for r in rs)
+        dec = decode[name, path] / decode["fixed", "host"]
         row = {
             "concurrency": concurrency, "config": name, "path": path, "output_tok_s": tok_s,
             "vs_fixed": tok_s / fixed, "loops_per_token": loops,
-            "exit_efficiency": tok_s / fixed / (depth / loops), "runs": rs,
+            "exit_efficiency": tok_s / fixed / (depth / loops), "prefill_wall_s": prefill,
+            "decode_tok_s": decode[name, path], "decode_exit_efficiency": dec / (depth / loops),
+            "runs": rs,
         }  # fmt: skip
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                if k != "runs"})  # fmt: skip
