@@ -1,8 +1,9 @@
 """Device runs (docs/design/runner.md §7): decode-only steps whose exits, sampling and
 re-entry happen on the device compute what host-decided decoding computes: tokens, exit depths,
 finish reasons, text and logprobs, in every exit mode, with seeded sampling, stop tokens, EOS,
-stop strings, max_tokens, preemption and prefix hits, eagerly and through captured CUDA
-graphs (on the GPU); and they take far fewer engine steps."""
+stop strings, max_tokens, preemption and prefix hits, WCPB, aborts while a carried run is
+queued, eagerly and through captured CUDA graphs (on the GPU); and they take far fewer engine
+steps."""
 
 from __future__ import annotations
 
@@ -140,6 +141,26 @@ def test_preemption_and_prefix_hits(model_dir):
         assert kv_all_free(eng) and eng.scheduler.prefix_hits > 0
         assert bool(runs[0]) == bool(loops)
     assert preempted[16] > 0
+    _assert_same(eng, jobs, results[16], results[0], exact=True)
+
+
+def test_wcpb_prompts_beside_device_runs(model_dir):
+    """WCPB with small chunks, prompts arriving while other requests decode in device runs: the
+    same results as host-decided decoding."""
+    rng = random.Random(5)
+    jobs = [
+        Job(j.req_id, j.prompt + rng.choices(range(256), k=rng.randint(10, 30)), j.params,
+            j.arrival_step)
+        for j in _jobs(31)
+    ]  # fmt: skip
+    results = {}
+    for loops in (0, 16):
+        eng = make_engine(model_dir, max_num_seqs=8, wavefront_chunked_prefill=True,
+                          prefill_chunk_size=8, max_num_batched_tokens=32,
+                          device_decode_loops=loops)  # fmt: skip
+        runs = _count_runs(eng)
+        results[loops] = _run(eng, jobs)
+        assert kv_all_free(eng) and bool(runs[0]) == bool(loops)
     _assert_same(eng, jobs, results[16], results[0], exact=True)
 
 
