@@ -217,9 +217,8 @@ class SchedulerConfig:
         "longer than this and no decoding request is past this position; otherwise decode "
         "steps (all their loops) and prefill batches of the whole budget alternate "
         "(fixed-depth decoding only). A mixed invocation lasts as long as its longest-context "
-        "row; on the H200 a decode row riding beside prefill rows of more context than this "
-        "costs more than a decode invocation of its own (0: always apart; max_model_len or "
-        "more: never)",
+        "row, so past some context a riding decode row costs more than a decode invocation of "
+        "its own (docs/design/scheduler.md R7; 0: always apart; max_model_len or more: never)",
         default=2048,
     )
 

@@ -1,1 +1,2 @@
-"""Engines: the synchronous step loop (and, later, the async loop for servers)."""
+"""Engines: `LLMEngine` (the step loop: schedule, execute, read back, emit) and, for servers,
+`AsyncLLMEngine` (one background loop that owns it, with a stream per request)."""

@@ -1,1 +1,2 @@
-"""User entry points: the `vllm-rlt` command line (and later the offline LLM and the server)."""
+"""User entry points: the `vllm-rlt` command line (serve, generate, bench, inspect, pd-engine),
+the offline `LLM` API and the OpenAI-compatible server (`openai/`)."""
