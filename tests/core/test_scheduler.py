@@ -9,7 +9,7 @@ import pytest
 
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
-from vllm_rlt.core.sched.execution_batch import RowKind, RunnerOutput, SampledToken
+from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import WavefrontPlanner
 from vllm_rlt.core.sched.scheduler import Scheduler
@@ -33,11 +33,8 @@ def step(s: Scheduler, gate: float = 0.0):
     batch = s.schedule()
     reading = [t for t in batch.requests if t.reads_gate]
     assert all(t.kind is RowKind.DECODE for t in reading)
-    out = RunnerOutput(
-        sampled={r: SampledToken(1, None, ()) for r in batch.sample_req_ids},
-        decode_gate_logits=tuple(gate for _ in reading),
-    )
-    s.update(batch, out)
+    s.advance(batch, tuple(gate for _ in reading))
+    s.apply_tokens(batch, {r: SampledToken(1, None, ()) for r in batch.sample_req_ids})
     return batch
 
 

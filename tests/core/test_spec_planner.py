@@ -11,7 +11,6 @@ from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import (
     DraftSample,
     RowKind,
-    RunnerOutput,
     SampledToken,
     VerifySample,
 )
@@ -39,7 +38,8 @@ def stepper(s: Scheduler):
         sampled = {r: SampledToken(7, None, ()) for r in batch.sample_req_ids}
         sampled |= {v: tuple(SampledToken(t, None, ()) for t in accepted)
                     for v in batch.verifies}  # fmt: skip
-        s.update(batch, RunnerOutput(sampled, ()))
+        s.advance(batch, ())
+        s.apply_tokens(batch, sampled)
         rows = [(t.kind, t.token_start, t.num_tokens, t.depth) for t in batch.requests]
         return batch, rows
 

@@ -23,7 +23,7 @@ import torch
 from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, num_planes_for
-from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken
+from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken, StepOutput
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.scheduler import Scheduler
@@ -42,7 +42,7 @@ from vllm_rlt.worker.graph_tables import graph_specs
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.memory_profile import DeviceMemory, measure_device_memory
-from vllm_rlt.worker.model_runner import LaunchedStep, ModelRunner
+from vllm_rlt.worker.model_runner import ModelRunner
 from vllm_rlt.worker.run_state import RunState
 from vllm_rlt.worker.spec_windows import WindowTokens
 
@@ -160,9 +160,9 @@ class LLMEngine:
         )
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
-        self._unread: tuple[ExecutionBatch, LaunchedStep] | None = None
+        self._unread: tuple[ExecutionBatch, StepOutput] | None = None
         # a device run queued by the last step: its tokens are read before the next plan
-        self._unread_run: tuple[ExecutionBatch, LaunchedStep] | None = None
+        self._unread_run: tuple[ExecutionBatch, StepOutput] | None = None
         self._seeds = random.Random(mc.seed)  # seeds for requests that give none
         self.stats = EngineStats()
         eos = c.eos_token_id
@@ -331,7 +331,7 @@ class LLMEngine:
             ready, self._unread = self._unread, ready
         return outputs + (self._read_tokens(*ready) if ready is not None else [])
 
-    def _read_tokens(self, batch: ExecutionBatch, launched: LaunchedStep) -> list[RequestOutput]:
+    def _read_tokens(self, batch: ExecutionBatch, launched: StepOutput) -> list[RequestOutput]:
         """Apply and emit a step's sampled tokens (several for a verified window)."""
         requests = self.scheduler.requests
         windows = [v.request_id for v in batch.verifies]

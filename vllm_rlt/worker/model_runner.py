@@ -27,9 +27,9 @@ from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
     RowKind,
-    RunRowResult,
     SampledToken,
     StateSpan,
+    StepOutput,
 )
 from vllm_rlt.tensor_utils import read_back, to_device
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
@@ -52,18 +52,6 @@ class _Mirror:
     def segment(self, token_start: int, num_tokens: int) -> EdgeSegment:
         data = self.data
         return EdgeSegment(token_start, num_tokens, self.block_tables, data.seed, data.init_scale)
-
-
-@dataclass(frozen=True)
-class LaunchedStep:
-    """A step whose work is queued on the device: its gate logits (host data: an exit decision
-    needed them) and callables that wait for its sampled tokens and return them."""
-
-    decode_gate_logits: tuple[float, ...]
-    # request_id -> its sampled token, or a verified window's accepted tokens
-    read_tokens: Callable[[], dict[str, SampledToken | tuple[SampledToken, ...]]]
-    # a device run's tokens and final row states, one per task (None: the step had no run)
-    read_run: Callable[[], tuple[RunRowResult, ...]] | None = None
 
 
 class ModelRunner:
@@ -101,7 +89,7 @@ class ModelRunner:
         self.timer: InvocationTimer | None = None
 
     @torch.inference_mode()
-    def execute(self, batch: ExecutionBatch) -> LaunchedStep:
+    def execute(self, batch: ExecutionBatch) -> StepOutput:
         self._sync_mirrors(batch)
         if batch.kv_copies:
             pairs = to_device(batch.kv_copies, torch.int64, self.device)
@@ -110,7 +98,7 @@ class ModelRunner:
         if batch.decode_run is not None:
             mirrors = [self.reqs[t.request_id] for t in batch.requests]
             rows = [RunMirror(m.slot, m.data, m.block_tables) for m in mirrors]
-            return LaunchedStep((), sampled, self.runs.run(batch, rows, self.timer))
+            return StepOutput((), sampled, self.runs.run(batch, rows, self.timer))
         drafts: dict[int, list[DraftSample]] = {}
         for d in batch.drafts:
             drafts.setdefault(d.invocation, []).append(d)
@@ -132,7 +120,7 @@ class ModelRunner:
         decode_gates = read_gates.tolist() if read_gates is not None else []
         if batch.verifies:
             sampled = _merged(sampled, self._verify(batch))
-        return LaunchedStep(tuple(decode_gates), sampled)
+        return StepOutput(tuple(decode_gates), sampled)
 
     def _draft(self, drafts: list[DraftSample]) -> None:
         """Draft tokens of windows: each from the state of the window position before it."""

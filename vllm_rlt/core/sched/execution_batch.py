@@ -13,6 +13,7 @@ decision before the last.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -240,17 +241,6 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
-class RunnerOutput:
-    """What the scheduler needs back from a step (host data)."""
-
-    # request_id -> token sampled this step; a window verified in it (its VerifySample) -> the
-    # accepted tokens (a request may have both: its first token opens a window verified at once)
-    sampled: dict[str | VerifySample, SampledToken | tuple[SampledToken, ...]]
-    # gate logits of the decode rows of the (single) invocation that `reads_gate`, in plan order
-    decode_gate_logits: tuple[float, ...]
-
-
-@dataclass(frozen=True)
 class RunRowResult:
     """What a device run did with one row (host data): the tokens it sampled, each with the
     loops of the token whose exit sampled it, and where the row's newest token stands."""
@@ -275,3 +265,22 @@ def by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRe
         if kind is None or t.kind is kind:
             out.setdefault(t.request_id, []).append(t)
     return out
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """The runner's answer to a plan (`ModelRunner.execute`), the only one: what the host has at
+    launch, and callables that wait for the rest. The scheduler takes it in three places:
+    `advance` at launch (the gate logits), `apply_tokens` when the samples are read back (in the
+    step, or with async scheduling in the next), `apply_run` when a device run's results are
+    (before the next plan, or once the run that goes on from it is queued)."""
+
+    # gate logits of the decode rows that `reads_gate` (of their single invocation), in plan
+    # order: read at launch, because the next plan needs their exit decisions
+    decode_gate_logits: tuple[float, ...]
+    # waits for the samples taken at the step's start and its verified windows: request_id ->
+    # its sampled token; a window verified in it (its VerifySample) -> the accepted tokens (a
+    # request may have both: its first token opens a window verified at once)
+    read_tokens: Callable[[], dict[str | VerifySample, SampledToken | tuple[SampledToken, ...]]]
+    # waits for a device run's tokens and final row states, one per task (None: no run)
+    read_run: Callable[[], tuple[RunRowResult, ...]] | None = None

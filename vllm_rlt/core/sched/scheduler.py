@@ -34,7 +34,6 @@ from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
     RowKind,
-    RunnerOutput,
     SampledToken,
     ScheduledRequest,
     by_request,
@@ -349,11 +348,6 @@ class Scheduler:
         return self.planner.plan([r for r in self.running if r.in_prefill], budget)
 
     # ---- update -----------------------------------------------------------------------------
-    def update(self, batch: ExecutionBatch, output: RunnerOutput) -> list[Request]:
-        """Apply a step's results at once (`advance`, then `apply_tokens`)."""
-        self.advance(batch, output.decode_gate_logits)
-        return self.apply_tokens(batch, output.sampled)
-
     def advance(self, batch: ExecutionBatch, decode_gate_logits: tuple[float, ...]) -> None:
         """The step's loops: decode tokens' depths and exit decisions (`decode_gate_logits`: of
         the rows that `reads_gate`, in plan order), prefill progress. Needs no sampled token, so
