@@ -88,6 +88,13 @@ def test_a_value_outside_the_choices_is_one_line(capsys):
     assert "argument --dtype: invalid choice: 'fp8'" in err
 
 
+def test_an_abbreviated_flag_is_refused(capsys):
+    err = _usage_error(["serve", "--max-num-seq", "8"], capsys)
+    assert err.startswith("vllm-rlt: error: unrecognized arguments: --max-num-seq")
+    err = _usage_error(["bench", "throughput", "--num-prompt", "4"], capsys)
+    assert err.startswith("vllm-rlt: error: unrecognized arguments: --num-prompt")
+
+
 def test_port_outside_the_range_is_one_line(capsys):
     err = _usage_error(["serve", "--port", "99999"], capsys)
     assert "argument --port: must be in 0..65535 (0: any free port), got 99999" in err

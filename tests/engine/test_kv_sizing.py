@@ -1,7 +1,8 @@
 """KV cache sizing at start: explicit settings override, the CPU default scales with the host's
 available memory, on CUDA the KV cache gets what gpu_memory_utilization leaves (the arithmetic
 with a given measurement on the CPU, the measurement itself on the GPU), and the start log line
-gives blocks, positions per plane and the maximum concurrency."""
+gives blocks, positions per plane and the maximum concurrency; the engine's own start line its
+scheduling, CUDA graphs and exit settings."""
 
 from __future__ import annotations
 
@@ -102,6 +103,19 @@ def test_the_start_log_line_with_explicit_blocks(caplog):
         "KV cache: 64 blocks (num_kv_blocks=64), 256 positions per plane x 4 planes; maximum "
         f"concurrency for {n} tokens per request: {x}"
         for n, x in ((64, "4.00x"), (257, "1.00x"))
+    ]
+
+
+def test_the_start_log_line_of_the_engine_settings(caplog):
+    with caplog.at_level(logging.INFO, logger="vllm_rlt.engine.llm_engine"):
+        LLM(device="cpu", num_kv_blocks=64)
+        LLM(device="cpu", num_kv_blocks=64, wavefront_chunked_prefill=True, prefill_chunk_size=32,
+            max_num_seqs=4, device_decode_loops=0, exit_threshold=1.0)  # fmt: skip
+    assert [m for m in caplog.messages if m.startswith("engine:")] == [
+        "engine: mixed scheduling, WCPB off, chunk 1024, budget 1024 tokens, 8 sequences; CUDA "
+        "graphs off; exits ouro at threshold 0.6, device runs of up to 16 invocations",
+        "engine: mixed scheduling, WCPB on, chunk 32, budget 1024 tokens, 4 sequences; CUDA "
+        "graphs off; exits ouro at threshold 1.0, decided on the host",
     ]
 
 

@@ -56,6 +56,8 @@ def test_start_stats_and_request_lines_with_a_template_file(model_dir, tmp_path)
         )
         found = _wait_for(server, start)
         assert float(found[2]) == pytest.approx(64 // 4 * 16 / int(found[1]), abs=0.01)
+        _wait_for(server, r"engine: mixed scheduling, WCPB off, chunk \d+, budget \d+ tokens, "
+                          r"\d+ sequences; CUDA graphs off; exits ouro at threshold ")  # fmt: skip
         assert _rendered(server) == "[user] hi\n[assistant] "
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         out = client.completions.create(

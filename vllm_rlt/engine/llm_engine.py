@@ -169,6 +169,26 @@ class LLMEngine:
         self.eos_token_ids = (
             tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         )
+        self._graphs = bool(specs)
+        logger.info("engine: %s", self.settings_summary())
+
+    def settings_summary(self) -> str:
+        """What the engine runs with besides its KV cache (scheduling, CUDA graphs, exits): the
+        start log line, the server's among them."""
+        sc, ex = self.config.scheduler, self.config.exit
+        threshold = ex.exit_threshold
+        if threshold is None:
+            threshold = self.model_config.early_exit_threshold
+        runs, wcpb = self.scheduler.runs, "on" if sc.wavefront_chunked_prefill else "off"
+        return (
+            f"{sc.scheduling_mode} scheduling, WCPB {wcpb}"
+            f", chunk {sc.prefill_chunk_size or sc.max_num_batched_tokens}, budget "
+            f"{sc.max_num_batched_tokens} tokens, {sc.max_num_seqs} sequences; CUDA graphs "
+            f"{'on' if self._graphs else 'off'}; exits {ex.exit_mode} at threshold "
+            f"{1.0 if threshold is None else threshold}, "
+            + (f"device runs of up to {runs.max_loops} invocations" if runs.enabled
+               else "decided on the host")
+        )  # fmt: skip
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(

@@ -48,11 +48,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class CLIParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are one line (`PROG: error: MESSAGE`, status 2) and
-    whose help shows defaults; subcommand parsers inherit both."""
+    """An argument parser whose usage errors are one line (`PROG: error: MESSAGE`, status 2),
+    whose help shows defaults and which takes no abbreviated flag (`--max-num-seq` is an error,
+    not `--max-num-seqs`); subcommand parsers inherit all three."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

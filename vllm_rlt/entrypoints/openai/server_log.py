@@ -39,6 +39,7 @@ def log_startup(engine: LLMEngine, served_model_name: str, model_dir: str | Path
         engine.max_model_len,
         positions / engine.max_model_len,
     )
+    logger.info("engine: %s", engine.settings_summary())
 
 
 @dataclass
