@@ -41,13 +41,17 @@ def _create(client, **kw):
     return client.completions.create(model=MODEL, extra_body=extra or None, **kw)
 
 
-def _stream_completion(client, **kw):
+def _stream_completion(client, depths=None, **kw):
+    """(text, logprob tokens, finish reason) per choice and the usage of a streamed completion;
+    `depths` (a dict) gets each choice's exit depths, joined over its chunks."""
     text, tokens, finish, usage = {}, {}, {}, None
     for chunk in _create(client, stream=True, **kw):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
             text[c.index] = text.get(c.index, "") + c.text
+            if depths is not None:
+                depths.setdefault(c.index, []).extend(c.exit_depths)
             if c.logprobs is not None:
                 tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
             if c.finish_reason is not None:
@@ -73,10 +77,12 @@ def test_completion_stream_matches_non_stream(client, sampling):
     assert len(choice.logprobs.tokens) == 8
     assert full.usage.completion_tokens == 8
     assert full.usage.total_tokens == full.usage.prompt_tokens + 8
+    depths = {}
     text, tokens, finish, usage = _stream_completion(
-        client, stream_options={"include_usage": True}, **kw
+        client, depths, stream_options={"include_usage": True}, **kw
     )
     assert text[0] == choice.text
+    assert depths[0] == choice.exit_depths and len(depths[0]) == 8  # each chunk its tokens'
     assert tokens[0] == choice.logprobs.tokens
     assert finish == {0: "length"}
     assert usage.completion_tokens == 8 and usage.prompt_tokens == full.usage.prompt_tokens
@@ -88,8 +94,10 @@ def test_n_samples_with_seed_are_reproducible(client):
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.usage.completion_tokens == 12
-    text, _, finish, _ = _stream_completion(client, **kw)
+    depths = {}
+    text, _, finish, _ = _stream_completion(client, depths, **kw)
     assert text == {c.index: c.text for c in a.choices}
+    assert depths == {c.index: c.exit_depths for c in a.choices}
     assert finish == {0: "length", 1: "length"}
 
 
@@ -101,8 +109,9 @@ def test_stop_string_cuts_text(client):
     want = base[: base.find(stop)]
     out = _create(client, stop=[stop, "never-seen-stop"], **kw).choices[0]
     assert out.text == want and out.finish_reason == "stop"
-    text, _, finish, _ = _stream_completion(client, stop=stop, **kw)
-    assert text[0] == want and finish[0] == "stop"
+    depths = {}
+    text, _, finish, _ = _stream_completion(client, depths, stop=stop, **kw)
+    assert text[0] == want and finish[0] == "stop" and depths[0] == out.exit_depths
 
 
 def test_token_id_prompts_logprobs_and_echo(client, server):
@@ -139,6 +148,8 @@ def test_chat_stream_matches_non_stream(client, server):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == msg.message.content
+    depths = [d for c in chunks if c.choices for d in c.choices[0].exit_depths or ()]
+    assert depths == msg.exit_depths and len(depths) == full.usage.completion_tokens
     assert chunks[-1].choices[0].finish_reason == msg.finish_reason
 
 

@@ -163,6 +163,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatResponseMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
+    exit_depths: list[int] | None = None  # extension: loops behind the chunk's new tokens
 
 
 class ChatCompletionResponse(BaseModel):

@@ -161,6 +161,7 @@ async def _stream(
 
     tracker = DeltaTracker(tuple(req.sampling_kwargs()["stop"]))
     finals: dict[int, CompletionOutput] = {}
+    depths_sent: dict[int, int] = {}  # choice -> exit depths sent (with its chunks' tokens)
     outputs = merge(state, sub)
     try:
         for i in range(req.n):
@@ -178,9 +179,12 @@ async def _stream(
                     lps = comp.logprobs[start:end]
                     lp = _logprobs(state, comp.token_ids[start:end], lps, num_top, as_ids)
                 delta = ChatResponseMessage(content=text)
+                depths = comp.exit_depths[depths_sent.get(comp.index, 0) : end]
+                depths_sent[comp.index] = end
                 choice = ChatStreamChoice(
-                    index=comp.index, delta=delta, logprobs=lp, finish_reason=comp.finish_reason
-                )
+                    index=comp.index, delta=delta, logprobs=lp, finish_reason=comp.finish_reason,
+                    exit_depths=depths,
+                )  # fmt: skip
                 yield chunk([choice])
             if await raw.is_disconnected():
                 return

@@ -149,7 +149,7 @@ class _Context:
                     lp = self.logprobs.extend(head, lp) if head else lp
                 if self.req.echo:
                     text = self._prompt_text(i) + text
-                choices.append(_choice(index, text, lp, comp))
+                choices.append(_choice(index, text, lp, comp, comp.exit_depths))
                 comps.append(comp)
         use = usage([len(p) for p in self.prompts], comps)
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices, usage=use)
@@ -157,6 +157,7 @@ class _Context:
     async def stream(self, sub: Submission, raw: Request) -> AsyncIterator[str]:
         tracker = DeltaTracker(tuple(self.req.sampling_kwargs()["stop"]))
         comps: dict[int, CompletionOutput] = {}
+        depths_sent: dict[int, int] = {}  # choice -> exit depths sent (with its chunks' tokens)
         outputs = merge(self.state, sub)
         try:
             async for i, out in outputs:
@@ -177,7 +178,9 @@ class _Context:
                         lp = self.logprobs.extend(head, lp) if head else lp
                     if first and self.req.echo:
                         text = self._prompt_text(i) + text
-                    yield self._chunk([_choice(index, text, lp, comp, stream=True)])
+                    depths = comp.exit_depths[depths_sent.get(index, 0) : end]
+                    depths_sent[index] = end
+                    yield self._chunk([_choice(index, text, lp, comp, depths)])
                 if await raw.is_disconnected():
                     return
             opts = self.req.stream_options
@@ -196,7 +199,9 @@ class _Context:
         )
 
 
-def _choice(index, text, lp, comp: CompletionOutput, stream: bool = False) -> CompletionChoice:
+def _choice(index, text, lp, comp: CompletionOutput, depths: list[int]) -> CompletionChoice:
+    """`depths`: the exit depths of the tokens the choice delivers (a streamed chunk: those
+    since the last chunk)."""
     done = comp.finished
     return CompletionChoice(
         index=index,
@@ -204,5 +209,5 @@ def _choice(index, text, lp, comp: CompletionOutput, stream: bool = False) -> Co
         logprobs=lp,
         finish_reason=comp.finish_reason,
         stop_reason=comp.stop_reason if done else None,
-        exit_depths=None if stream else comp.exit_depths,
+        exit_depths=depths,
     )
