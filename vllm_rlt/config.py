@@ -38,7 +38,16 @@ LAYER_KERNELS = ("auto", "torch", "fused", "skinny", "invariant")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | os.PathLike | None = field_help(
-        "HF model directory (config.json, safetensors, tokenizer.json)", default=None
+        "HF model directory (config.json, safetensors, tokenizer.json) or Hugging Face hub id "
+        "(org/name: the hub's local cache, else downloaded; HF_TOKEN, HF_HUB_OFFLINE apply)",
+        default=None,
+    )
+    revision: str | None = field_help(
+        "hub id: the branch, tag or commit to load (default: main)", default=None
+    )
+    download_dir: str | None = field_help(
+        "hub id: the cache directory to look in and download to (default: the hub's cache)",
+        default=None,
     )
     dtype: str = field_help(
         "auto (bf16 on GPU, fp32 on CPU), float32, bfloat16 or float16",

@@ -25,7 +25,6 @@ import logging
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-from pathlib import Path
 
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.disagg import protocol as msg
@@ -38,8 +37,8 @@ from vllm_rlt.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from vllm_rlt.models.hub import resolve_model_dir
 from vllm_rlt.models.loader import read_config, read_tokenizer
-from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.serve_config import DisaggConfig
 
@@ -87,7 +86,8 @@ class FrontEnd:
         self.max_waiting_requests = max_waiting_requests
         self.engines = start_engines(config, disagg)
         max_len = min(e.max_model_len for e in self.engines)
-        model_dir = Path(config.model.model or default_model_dir())
+        mc = config.model
+        model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
         self.engine = FrontEndInfo(
             config,
             read_tokenizer(model_dir),

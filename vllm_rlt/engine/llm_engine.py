@@ -31,8 +31,8 @@ from vllm_rlt.engine.kv_sizing import log_kv_cache, plan_kv_blocks, resolve_max_
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
 from vllm_rlt.models import registry
+from vllm_rlt.models.hub import resolve_model_dir
 from vllm_rlt.models.loader import LoadedModel, load_model, read_config
-from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
 from vllm_rlt.sampling_params import SamplingParams, check_text
@@ -56,7 +56,7 @@ class LLMEngine:
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
         if loaded is None:
-            model_dir = mc.model or default_model_dir()
+            model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
             _, model_cls = registry.resolve(read_config(model_dir).model_type)
             config.check_model(model_cls)
             attention_backend, layer_kernels = mc.kernel_names()

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", default="def fibonacci(n):", help="text to inspect")
     p.add_argument("--top-k", type=int, default=5, help="tokens shown per depth")
     p.add_argument("--check", action="store_true", help="compare with the dense reference")
-    cli_args.add_config_args(p, ModelConfig, names=MODEL_FLAGS)
+    cli_args.add_config_args(p, ModelConfig, names=(*MODEL_FLAGS, "revision", "download_dir"))
     cli_args.add_config_args(p, CacheConfig, names=("block_size",))
     p.set_defaults(func=run, parser=p)
 
@@ -42,14 +42,14 @@ def exit_distribution(gate_logits):
 
 
 def run(args: argparse.Namespace) -> int:
+    from vllm_rlt.models.hub import resolve_model_dir
     from vllm_rlt.models.loader import load_model
-    from vllm_rlt.models.tiny import default_model_dir
 
     try:  # bad settings or model files: one line, no traceback
         settings = ModelConfig(**cli_args.config_kwargs(args, [ModelConfig]))
         block_size = CacheConfig(**cli_args.config_kwargs(args, [CacheConfig])).block_size
         loaded = load_model(
-            args.model or default_model_dir(),
+            resolve_model_dir(args.model, settings.revision, settings.download_dir),
             **{name: getattr(settings, name) for name in MODEL_FLAGS},
         )
     except ValueError as err:

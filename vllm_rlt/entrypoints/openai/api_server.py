@@ -42,7 +42,7 @@ from vllm_rlt.entrypoints.openai.serving_chat import create_chat_completion
 from vllm_rlt.entrypoints.openai.serving_common import ServerState, read_json
 from vllm_rlt.entrypoints.openai.serving_completion import create_completion
 from vllm_rlt.entrypoints.openai.serving_tokenize import detokenize, tokenize
-from vllm_rlt.models.tiny import default_model_dir
+from vllm_rlt.models.hub import resolve_model_dir
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -70,7 +70,8 @@ def build_app(
     elif max_waiting_requests is not None:
         engine.max_waiting_requests = max_waiting_requests
     metrics = ServerMetrics(served_model_name, engine)
-    model_dir = engine.engine.config.model.model or default_model_dir()
+    mc = engine.engine.config.model
+    model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
     chat = ChatRenderer(model_dir, chat_template)
     state = ServerState(
         engine,
