@@ -12,6 +12,7 @@ import torch
 
 from vllm_rlt.kernels import run_rows
 from vllm_rlt.worker import run_rows_torch
+from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.run_state import RunState
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -64,8 +65,10 @@ def test_the_kernels_compute_what_their_torch_form_computes(device, mode):
     torch_state = copy.deepcopy(kernel_state)
     buffers = [torch.randn(SLOTS, HIDDEN, generator=gen).to(device) for _ in range(2)]
     buffers[1].copy_(buffers[0])
-    kv = [torch.randn(2, 2, ROWS * PLANES * BLOCKS + 1, BLOCK_SIZE, 2, 8, generator=gen)]
-    kv = [kv[0].to(device), kv[0].clone().to(device)]
+    kv = [DeviceKVCache(2, ROWS * PLANES * BLOCKS, BLOCK_SIZE, 2, 8, torch.float32, device)
+          for _ in range(2)]  # fmt: skip
+    kv[0].kv.copy_(torch.randn(kv[0].kv.shape, generator=gen))
+    kv[1].kv.copy_(kv[0].kv)
     windows = [torch.randint(0, VOCAB, (SLOTS, 3), generator=gen).to(device) for _ in range(2)]
     windows[1].copy_(windows[0])
     scratch = ROWS * PLANES * BLOCKS * BLOCK_SIZE
@@ -81,9 +84,9 @@ def test_the_kernels_compute_what_their_torch_form_computes(device, mode):
         ):  # fmt: skip
             ops.enter_rows(s, ROWS, entry, buffer, scratch, BLOCK_SIZE)
             ops.exit_rows(s, ROWS, mode, gate, out, buffer)
-            ops.fill_skipped(s, ROWS, cache, BLOCK_SIZE)
+            ops.fill_skipped(s, ROWS, cache)
             ops.take_tokens(s, ROWS, tokens, window)
         _compare(kernel_state, torch_state, columns)
-        assert torch.equal(buffers[0], buffers[1]) and torch.equal(kv[0], kv[1])
+        assert torch.equal(buffers[0], buffers[1]) and torch.equal(kv[0].kv, kv[1].kv)
         assert torch.equal(windows[0], windows[1])
     assert int(kernel_state.exited[:ROWS].sum()) + int(kernel_state.done[:ROWS].sum()) > 0

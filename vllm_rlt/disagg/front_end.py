@@ -25,6 +25,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.disagg import protocol as msg
@@ -54,6 +55,7 @@ class FrontEndInfo:
     model_config: object
     num_loops: int
     max_model_len: int  # the smallest of the engines'
+    model_dir: Path  # (a hub id resolved)
 
 
 @dataclass(kw_only=True)
@@ -94,6 +96,7 @@ class FrontEnd:
             read_config(model_dir),
             self.engines[0].num_loops,
             max_len,
+            model_dir,
         )
         self._flights: dict[int, Flight] = {}
         self._by_id: dict[str, int] = {}

@@ -55,8 +55,10 @@ class LLMEngine:
         one set of weights); by default the engine loads `config.model`."""
         self.config = config
         mc, cc, sc = config.model, config.cache, config.scheduler
+        # the model's directory (a hub id resolved): its chat template and tokenizer files
+        self.model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
         if loaded is None:
-            model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
+            model_dir = self.model_dir
             _, model_cls = registry.resolve(read_config(model_dir).model_type)
             config.check_model(model_cls)
             attention_backend, layer_kernels = mc.kernel_names()
@@ -169,7 +171,6 @@ class LLMEngine:
         self.eos_token_ids = (
             tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         )
-        self._graphs = bool(specs)
         logger.info("engine: %s", self.settings_summary())
 
     def settings_summary(self) -> str:
@@ -184,7 +185,7 @@ class LLMEngine:
             f"{sc.scheduling_mode} scheduling, WCPB {wcpb}"
             f", chunk {sc.prefill_chunk_size or sc.max_num_batched_tokens}, budget "
             f"{sc.max_num_batched_tokens} tokens, {sc.max_num_seqs} sequences; CUDA graphs "
-            f"{'on' if self._graphs else 'off'}; exits {ex.exit_mode} at threshold "
+            f"{'off' if self.runner.graphs is None else 'on'}; exits {ex.exit_mode} at threshold "
             f"{1.0 if threshold is None else threshold}, "
             + (f"device runs of up to {runs.max_loops} invocations" if runs.enabled
                else "decided on the host")

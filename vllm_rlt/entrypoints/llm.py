@@ -11,7 +11,6 @@ from tqdm import tqdm
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.openai.chat_template import ChatRenderer
-from vllm_rlt.models.hub import resolve_model_dir
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -79,9 +78,7 @@ class LLM:
         conversations = list(messages)
         if not conversations or isinstance(conversations[0], dict):
             conversations = [conversations]
-        mc = self.engine.config.model
-        model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
-        renderer = ChatRenderer(model_dir, chat_template)
+        renderer = ChatRenderer(self.engine.model_dir, chat_template)
         prompts = [renderer.render(_messages(c), add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

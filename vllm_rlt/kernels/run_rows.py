@@ -211,10 +211,11 @@ def exit_rows(s, r: int, mode: str, gate: torch.Tensor, out: torch.Tensor,
     )  # fmt: skip
 
 
-def fill_skipped(s, r: int, kv: torch.Tensor, block_size: int) -> None:
+def fill_skipped(s, r: int, kv_cache) -> None:
     """LAST_EXITED for the rows of RunState `s` that exited in the last invocation: planes
-    loops.. at their position take plane loops-1's K/V, in every layer of `kv` [L, 2, blocks,
-    block_size, Hkv, d]."""
+    loops.. at their position take plane loops-1's K/V, in every layer of `kv_cache` (a
+    DeviceKVCache: `kv` [L, 2, blocks, block_size, Hkv, d])."""
+    kv, block_size = kv_cache.kv, kv_cache.block_size
     planes, max_blocks = s.tables.shape[1:]
     row_elems, rows = kv.shape[-2] * kv.shape[-1], _row_block(r)
     layers = kv.shape[0] * kv.shape[1]

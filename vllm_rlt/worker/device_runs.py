@@ -93,11 +93,12 @@ class DeviceRunner:
         r = len(mirrors)
         flags = (tensors.all_greedy, tensors.any_top_k_top_p, tensors.num_logprobs)
         meta = None if self.host_tables else self._metadata(r)
+        newest = max(row.position for row in run.rows)  # (the timer's key)
         for i in range(n + 1):
             if run.sample_at[i]:
                 self._call(("sample", r, *flags), lambda: self._sample(r, tensors))
             if i < n:
-                with self._timed(timer, r, max(row.position for row in run.rows)):
+                with self._timed(timer, r, newest):
                     self._call(("step", r, run.exit_mode), lambda: self._step(r, run, meta))
         s = self.state
         phases = sum(run.sample_at)
@@ -147,7 +148,7 @@ class DeviceRunner:
         )
         self.ops.exit_rows(s, r, run.exit_mode, gate, out, self.states.buffer)
         if self.num_planes > 1:
-            self.ops.fill_skipped(s, r, self.kv_cache.kv, self.block_size)
+            self.ops.fill_skipped(s, r, self.kv_cache)
 
     def _metadata(self, r: int) -> AttentionMetadata:
         """One-row segments of the first `r` rows over the state's static tables (with host

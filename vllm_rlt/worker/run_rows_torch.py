@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_rlt.kernels.run_rows import EXIT_MODES
+from vllm_rlt.worker.kv_cache import DeviceKVCache
 
 
 def _live(s, r: int) -> torch.Tensor:
@@ -40,7 +40,7 @@ def exit_rows(s, r: int, mode: str, gate: torch.Tensor, out: torch.Tensor,
     rows = s.state_rows[:r]
     buffer[rows] = torch.where(live[:, None], out, buffer[rows])
     loops += live
-    if EXIT_MODES[mode] == EXIT_MODES["trace"]:
+    if mode == "trace":
         exits = loops >= exit_at
     else:
         pending = exit_at == 0
@@ -65,17 +65,16 @@ def exit_rows(s, r: int, mode: str, gate: torch.Tensor, out: torch.Tensor,
     s.ready[:r] |= s.exited[:r]
 
 
-def fill_skipped(s, r: int, kv: torch.Tensor, block_size: int) -> None:
+def fill_skipped(s, r: int, kv_cache: DeviceKVCache) -> None:
     """`kernels/run_rows.fill_skipped`."""
-    planes = torch.arange(s.tables.shape[1], device=kv.device).expand(r, -1)
+    block_size = kv_cache.block_size
+    planes = torch.arange(s.tables.shape[1], device=kv_cache.kv.device).expand(r, -1)
     loops = s.loops[:r, None]
     fill = s.exited[:r, None] & (planes >= loops)
     position = s.position[:r, None].expand_as(planes)
     src = _slots(s, r, (loops - 1).clamp(min=0).expand_as(planes), position, block_size)
     dst = _slots(s, r, planes, position, block_size)
-    src, dst = src[fill], dst[fill]
-    flat = kv.view(kv.shape[0], 2, -1, *kv.shape[-2:])
-    flat[:, :, dst] = flat[:, :, src]
+    kv_cache.copy_slots(src[fill], dst[fill])
 
 
 def take_tokens(s, r: int, token_ids: torch.Tensor, window_tokens: torch.Tensor) -> None:

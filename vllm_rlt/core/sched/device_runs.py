@@ -90,10 +90,9 @@ class RunPlanner:
             return None
         if any(r.decode is None or r.status.finished for r in reqs):
             return None
-        before = len(flight.sample_at) - 1
+        before, samples = len(flight.sample_at) - 1, sum(flight.sample_at)
         if waiting and any(
-            self._may_end(r, row, sum(flight.sample_at))
-            for r, row in zip(reqs, flight.rows, strict=True)
+            self._may_end(r, row, samples) for r, row in zip(reqs, flight.rows, strict=True)
         ):
             return None
         loops = min(self.max_loops, max(self._work(r) for r in reqs) - before)

@@ -42,7 +42,6 @@ from vllm_rlt.entrypoints.openai.serving_chat import create_chat_completion
 from vllm_rlt.entrypoints.openai.serving_common import ServerState, read_json
 from vllm_rlt.entrypoints.openai.serving_completion import create_completion
 from vllm_rlt.entrypoints.openai.serving_tokenize import detokenize, tokenize
-from vllm_rlt.models.hub import resolve_model_dir
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -70,9 +69,7 @@ def build_app(
     elif max_waiting_requests is not None:
         engine.max_waiting_requests = max_waiting_requests
     metrics = ServerMetrics(served_model_name, engine)
-    mc = engine.engine.config.model
-    model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
-    chat = ChatRenderer(model_dir, chat_template)
+    chat = ChatRenderer(engine.engine.model_dir, chat_template)
     state = ServerState(
         engine,
         served_model_name,
@@ -89,7 +86,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         engine.start()
         if isinstance(engine.engine, LLMEngine):  # (a front end's engines log their own)
-            log_startup(engine.engine, served_model_name, model_dir)
+            log_startup(engine.engine, served_model_name)
         stats = None
         if log_stats:
             stats = asyncio.create_task(StatLogger(engine, metrics).run(log_stats_interval))

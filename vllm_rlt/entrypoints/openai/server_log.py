@@ -8,7 +8,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
@@ -20,7 +19,7 @@ logger = logging.getLogger(__name__)
 MAX_LOGGED_IDS = 32  # prompt token ids shown per request line
 
 
-def log_startup(engine: LLMEngine, served_model_name: str, model_dir: str | Path) -> None:
+def log_startup(engine: LLMEngine, served_model_name: str) -> None:
     weight = engine.model.lm_head.weight
     kv = engine.kv_manager
     positions = kv.max_tokens_per_request()
@@ -28,7 +27,7 @@ def log_startup(engine: LLMEngine, served_model_name: str, model_dir: str | Path
         "serving %r (%s) dtype=%s device=%s depth=%d; KV cache: %d blocks of %d positions over %d "
         "planes, max_model_len %d; maximum concurrency for %d tokens per request: %.2fx",
         served_model_name,
-        str(model_dir),
+        str(engine.model_dir),
         str(weight.dtype).removeprefix("torch."),
         weight.device,
         engine.num_loops,
