@@ -68,7 +68,7 @@ def test_an_id_missing_from_the_cache_is_one_clear_error(cache, tmp_path):
     cli = subprocess.run(
         [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "generate", "ByteDance/Ouro-1.4B",
          "--download-dir", str(tmp_path), "--prompt", "x", "--device", "cpu"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True,
     )  # fmt: skip
     assert cli.returncode == 1
     assert cli.stderr.startswith("error: model ByteDance/Ouro-1.4B is neither a local directory")
