@@ -197,7 +197,8 @@ class SchedulerConfig:
     device_decode_loops: int = field_help(
         "a decode-only step whose tokens exit early (gate or trace) runs up to this many "
         "invocations with exit decisions, sampling and the next token's entry on the device, "
-        "with no host work between them; its tokens come back together after the step "
+        "with no host work between them (beside a prefill batch: that batch's loops); its "
+        "tokens come back together after the step "
         "(0 or 1: the host decides after every loop that reads a gate)",
         default=16,
     )

@@ -1,5 +1,6 @@
-"""Device runs (docs/design/runner.md §7): decode-only steps whose exits, sampling and
-re-entry happen on the device compute what host-decided decoding computes: tokens, exit depths,
+"""Device runs (docs/design/runner.md §7): decode steps whose exits, sampling and re-entry
+happen on the device, alone or riding prefill batches, compute what host-decided decoding
+computes: tokens, exit depths,
 finish reasons, text and logprobs, in every exit mode, with seeded sampling, stop tokens, EOS,
 stop strings, max_tokens, preemption and prefix hits, WCPB, aborts while a carried run is
 queued, eagerly and through captured CUDA graphs (on the GPU); and they take far fewer engine
@@ -77,15 +78,16 @@ def _run(eng, jobs: list[Job]) -> dict:
 
 
 def _count_runs(eng) -> list[int]:
-    """Count the steps the scheduler plans as device runs, and those of them that go on from
-    the run before (carried), into the returned list."""
-    count, schedule = [0, 0], eng.scheduler.schedule
+    """Count the steps the scheduler plans as device runs, those of them that go on from the
+    run before (carried) and those beside prefill tasks, into the returned list."""
+    count, schedule = [0, 0, 0], eng.scheduler.schedule
 
     def counting():
         batch = schedule()
         if batch is not None and batch.decode_run is not None:
             count[0] += 1
             count[1] += batch.decode_run.carried
+            count[2] += len(batch.requests) > len(batch.decode_run.rows)
         return batch
 
     eng.scheduler.schedule = counting
@@ -122,6 +124,26 @@ def test_device_runs_compute_what_the_host_path_computes(model_dir, device, back
         assert bool(runs[0]) == bool(runs[1]) == bool(loops)
     _assert_same(eng, jobs, results[16], results[0], exact=device == "cpu")
     assert steps[16] < steps[0] / 2
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_runs_beside_prefill(model_dir, mode):
+    """Requests arriving one after another, their prompts in prefill while others decode: the
+    decode rows ride the prefill batches as device runs and compute what host decisions do."""
+    rng = random.Random(41)
+    jobs = [
+        Job(j.req_id, j.prompt + rng.choices(range(256), k=rng.randint(5, 40)), j.params, 2 * i)
+        for i, j in enumerate(_jobs(40 + len(mode)))
+    ]  # fmt: skip
+    results = {}
+    for loops in (0, 16):
+        eng = make_engine(model_dir, max_num_seqs=6, exit_mode=mode, device_decode_loops=loops,
+                          prefill_chunk_size=16, **MODES[mode])  # fmt: skip
+        runs = _count_runs(eng)
+        results[loops] = _run(eng, jobs)
+        assert kv_all_free(eng)
+        assert (runs[2] >= 2) == bool(loops), runs
+    _assert_same(eng, jobs, results[16], results[0], exact=True)
 
 
 def test_preemption_and_prefix_hits(model_dir):

@@ -157,6 +157,8 @@ class LLMEngine:
         if run_state is not None:
             runs = DeviceRunner(self.model, kv_cache, states, windows, run_state, loop_planes,
                                 tile_rows, max_context, capture=bool(specs))  # fmt: skip
+            if specs:  # captured now: a first use mid-serving would stall every row
+                runs.warm_up(config.exit.exit_mode)
         self.runner = ModelRunner(
             self.model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs
         )
@@ -365,7 +367,8 @@ class LLMEngine:
             return []
         (batch, launched), self._unread_run = self._unread_run, None
         requests = self.scheduler.requests
-        rows = [t.request_id for t in batch.requests if t.request_id in requests]
+        tasks = batch.requests[: len(batch.decode_run.rows)]
+        rows = [t.request_id for t in tasks if t.request_id in requests]
         before = {r: len(requests[r].output_token_ids) for r in rows}
         return self._emit(self.scheduler.apply_run(batch, launched.read_run()), before)
 

@@ -17,27 +17,35 @@ kernels of `kernels/run_rows.py` (off CUDA, their torch form `run_rows_torch.py`
   in fp64) runs on the gate, and an exit that skipped planes fills them with its last K/V
   (LAST_EXITED).
 
-On CUDA each function runs eagerly the first time for a row count (and sampling variant), which
-compiles its kernels, and is captured as a CUDA graph right after; from then on a call costs the
-host one graph replay. The tokens, their exit depths and logprobs and the rows' final state
-are read back once, after the run (`RunRowResult`).
+A run beside prefill (the batch has prefill tasks after the run's rows) puts its rows at the head
+of each of the prefill batch's invocations instead of the step (`RunRows.ride`: the model runner
+builds that invocation with a placeholder segment per row, through its CUDA graphs where a
+bucket admits it); its sample phases stay as they are.
+
+The rows are padded with idle rows to a decode graph bucket (`padded`). On CUDA each function
+runs eagerly the first time for a bucket (and sampling variant), which compiles its kernels, and
+is captured as a CUDA graph right after (at startup for every bucket's step and greedy sample
+phase, `warm_up`); from then on a call costs the host one graph replay. The tokens, their exit
+depths and logprobs and the rows' final state are read back once, after the run
+(`RunRowResult`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.core.sched.execution_batch import DecodeRun, ExecutionBatch, RunRowResult
+from vllm_rlt.core.sched.execution_batch import ExecutionBatch, RunRowResult
 from vllm_rlt.kernels import run_rows
 from vllm_rlt.tensor_utils import read_back
 from vllm_rlt.worker import run_rows_torch
 from vllm_rlt.worker.edge_stages import PlainEdges
+from vllm_rlt.worker.graph_tables import DECODE_BUCKETS, capped
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
@@ -80,26 +88,32 @@ class DeviceRunner:
         self.host_tables = not all(getattr(b, "supports_cuda_graphs", False) for b in backends)
         self.capture = capture and not self.host_tables
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.buckets = capped(DECODE_BUCKETS, state.slots.shape[0])
         self._pool = None
 
     def run(self, batch: ExecutionBatch, mirrors: Sequence[RunMirror],
-            timer: InvocationTimer | None) -> Callable[[], tuple[RunRowResult, ...]]:  # fmt: skip
+            timer: InvocationTimer | None, beside: Callable[[int, RunRows], None] | None = None,
+            ) -> Callable[[], tuple[RunRowResult, ...]]:  # fmt: skip
         """Queue the batch's run over its rows (`mirrors`, in plan order; `timer`: times each
         invocation); returns a callable that waits for its read-back and gives each row's
-        result."""
+        result. `beside(i, rows)`: the run rides the batch's prefill rows (a run beside
+        prefill): it runs invocation `i` with the run's `rows` in it, eagerly."""
         run, n = batch.decode_run, batch.loop_count
         params = [m.params for m in mirrors]
-        tensors = self.state.load(run, mirrors, self.states)
-        r = len(mirrors)
-        flags = (tensors.all_greedy, tensors.any_top_k_top_p, tensors.num_logprobs)
-        meta = None if self.host_tables else self._metadata(r)
+        r, padded = len(mirrors), self.padded(len(mirrors))
+        tensors = self.state.load(run, mirrors, self.states, padded)
+        # riding a prefill batch, the run adds its own rows alone: the budget counted those
+        ridden = r if beside is not None else padded
+        rows = RunRows(self, ridden, run.exit_mode, self._static_metadata(ridden))
         newest = max(row.position for row in run.rows)  # (the timer's key)
         for i in range(n + 1):
             if run.sample_at[i]:
-                self._call(("sample", r, *flags), lambda: self._sample(r, tensors))
-            if i < n:
-                with self._timed(timer, r, newest):
-                    self._call(("step", r, run.exit_mode), lambda: self._step(r, run, meta))
+                self._sample(padded, tensors)
+            if i < n and beside is not None:
+                beside(i, rows)
+            elif i < n:
+                with self._timed(timer, padded, newest):
+                    self._call(("step", padded, run.exit_mode), lambda: self._step(rows))
         s = self.state
         phases = sum(run.sample_at)
         copied = read_back(
@@ -108,6 +122,20 @@ class DeviceRunner:
             s.exit_at[:r], s.ready[:r],
         )  # fmt: skip
         return lambda: _results(copied(), [p.num_logprobs for p in params])
+
+    def padded(self, rows: int) -> int:
+        """The row count a run of `rows` rows runs with: the smallest bucket that holds them
+        (idle rows fill the rest), so that a few shapes, captured at startup, serve every run."""
+        return next(b for b in self.buckets if b >= rows)
+
+    def warm_up(self, exit_mode: str) -> None:
+        """Compile and capture the step (of `exit_mode`) and the greedy sample function of
+        every bucket over idle rows, so that no run waits for either mid-serving."""
+        for rows in self.buckets:
+            tensors = self.state.idle(rows)
+            self._sample(rows, tensors)
+            idle = RunRows(self, rows, exit_mode, self._static_metadata(rows))
+            self._call(("step", rows, exit_mode), lambda: self._step(idle))  # noqa: B023
 
     def _call(self, key: tuple, fn: Callable[[], None]) -> None:
         """Run `fn` (in place over the state buffers): eagerly the first time, which compiles
@@ -128,6 +156,11 @@ class DeviceRunner:
         self._graphs[key] = graph
 
     def _sample(self, r: int, tensors: SamplingTensors) -> None:
+        """A sample phase of the first `r` rows, through its graph."""
+        flags = (tensors.all_greedy, tensors.any_top_k_top_p, tensors.num_logprobs)
+        self._call(("sample", r, *flags), lambda: self._sample_rows(r, tensors))
+
+    def _sample_rows(self, r: int, tensors: SamplingTensors) -> None:
         """The coda and the sampler over every row; rows whose token exited take theirs and
         their next token starts."""
         s = self.state
@@ -136,21 +169,17 @@ class DeviceRunner:
         s.record_logprobs(r, out)
         self.ops.take_tokens(s, r, out.token_ids, self.windows.tokens)
 
-    def _step(self, r: int, run: DecodeRun, meta: AttentionMetadata | None) -> None:
-        """One loop of every live row at its depth, then the exit rule on its gate and, with
-        several loop planes, the fill of the planes exited tokens skip (`meta`: the
-        invocation's static tables; None: built now)."""
-        s = self.state
-        entry = self.edges.enter(self.windows.tokens[s.slots[:r], 0], s.position[:r], [])
-        self.ops.enter_rows(s, r, entry, self.states.buffer, self.scratch, self.block_size)
-        out, gate = self.model.recurrent_core(
-            s.hidden[:r], meta or self._metadata(r), self.kv_cache
-        )
-        self.ops.exit_rows(s, r, run.exit_mode, gate, out, self.states.buffer)
-        if self.num_planes > 1:
-            self.ops.fill_skipped(s, r, self.kv_cache)
+    def _step(self, rows: RunRows) -> None:
+        """One loop of the run's rows alone."""
+        hidden, meta = rows.enter()
+        rows.leave(*self.model.recurrent_core(hidden, meta, self.kv_cache))
 
-    def _metadata(self, r: int) -> AttentionMetadata:
+    def _static_metadata(self, r: int) -> AttentionMetadata | None:
+        """The step's tables over the state's static buffers (None: built per step, for a
+        backend that reads host copies of the positions)."""
+        return None if self.host_tables else self.metadata(r)
+
+    def metadata(self, r: int) -> AttentionMetadata:
         """One-row segments of the first `r` rows over the state's static tables (with host
         copies of their positions for a backend that reads those: then built for each step)."""
         s = self.state
@@ -174,6 +203,61 @@ class DeviceRunner:
         if timer.by_context:
             return timer.time(detailed_shape(rows, rows, None, 0, position))
         return timer.time(invocation_shape(rows, rows, None))
+
+
+@dataclass(frozen=True)
+class RunRows:
+    """A run's rows in one invocation, at its head: `enter` before the recurrent core (rows at
+    depth 0 take the prelude of their newest token; every live row's plane, position and KV slot
+    from its block tables), `leave` after it (the exit rule on the gate and, with several loop
+    planes, the fill of the planes exited tokens skip). Riding another batch's invocation
+    (`placeholders`, `ride`), the rows take the place of one-row segments built for them."""
+
+    runner: DeviceRunner
+    num_rows: int
+    exit_mode: str
+    meta: AttentionMetadata | None  # the invocation's static tables; None: built at entry
+
+    def enter(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The rows' input hidden states and attention tables."""
+        d, s, r = self.runner, self.runner.state, self.num_rows
+        entry = d.edges.enter(d.windows.tokens[s.slots[:r], 0], s.position[:r], [])
+        d.ops.enter_rows(s, r, entry, d.states.buffer, d.scratch, d.block_size)
+        return s.hidden[:r], self.meta or d.metadata(r)
+
+    def leave(self, out: torch.Tensor, gate: torch.Tensor) -> None:
+        """The rows' outputs and gate logits (their first `num_rows` rows)."""
+        d, s, r = self.runner, self.runner.state, self.num_rows
+        d.ops.exit_rows(s, r, self.exit_mode, gate[:r], out[:r], d.states.buffer)
+        if d.num_planes > 1:
+            d.ops.fill_skipped(s, r, d.kv_cache)
+
+    def placeholders(self) -> tuple[list, list, list, list]:
+        """(first positions, rows, block tables, state rows) of one-row segments that hold the
+        rows' places in an invocation's tables: position 0, tables of the scratch block as wide
+        as the rows' own."""
+        d, r = self.runner, self.num_rows
+        table = (d.kv_cache.scratch_block,) * d.state.width
+        return [0] * r, [1] * r, [table] * r, [np.zeros(r, dtype=np.int64)]
+
+    def ride(self, meta: AttentionMetadata, hidden: torch.Tensor) -> AttentionMetadata:
+        """Enter the rows and write them over their placeholders: the invocation's tables
+        (`meta`) and input rows (`hidden`). Returns the tables with their host copies and
+        context bound."""
+        d, s, r = self.runner, self.runner.state, self.num_rows
+        inputs, _ = self.enter()
+        hidden[:r] = inputs
+        meta.positions[:r] = s.position[:r]
+        meta.slot_mapping[:r] = s.slot_mapping[:r]
+        meta.seg_token_starts[:r] = s.seg_starts[:r]
+        width = min(s.width, meta.block_tables.shape[1])
+        meta.block_tables[:r, :width] = s.meta_tables[:r, :width]
+        starts = meta.seg_token_starts_host
+        if d.host_tables:
+            starts = tuple(s.position[:r].tolist()) + starts[r:]
+        return replace(
+            meta, seg_token_starts_host=starts, max_context=max(meta.max_context, d.max_context)
+        )
 
 
 def _results(copied, wants: list[int]) -> tuple[RunRowResult, ...]:

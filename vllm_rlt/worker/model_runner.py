@@ -33,7 +33,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.tensor_utils import read_back, to_device
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
-from vllm_rlt.worker.device_runs import DeviceRunner, RunMirror
+from vllm_rlt.worker.device_runs import DeviceRunner, RunMirror, RunRows
 from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
@@ -96,9 +96,7 @@ class ModelRunner:
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled = self._sample(batch.sample_req_ids, batch.sample_indices)
         if batch.decode_run is not None:
-            mirrors = [self.reqs[t.request_id] for t in batch.requests]
-            rows = [RunMirror(m.slot, m.data, m.block_tables) for m in mirrors]
-            return StepOutput((), sampled, self.runs.run(batch, rows, self.timer))
+            return StepOutput((), sampled, self._run(batch))
         drafts: dict[int, list[DraftSample]] = {}
         for d in batch.drafts:
             drafts.setdefault(d.invocation, []).append(d)
@@ -121,6 +119,16 @@ class ModelRunner:
         if batch.verifies:
             sampled = _merged(sampled, self._verify(batch))
         return StepOutput(tuple(decode_gates), sampled)
+
+    def _run(self, batch: ExecutionBatch) -> Callable[[], tuple]:
+        """Queue the batch's device run over its first tasks; with prefill tasks after them, the
+        run's rows ride each of the prefill batch's invocations (a run beside prefill)."""
+        tasks = batch.requests[: len(batch.decode_run.rows)]
+        mirrors = [self.reqs[t.request_id] for t in tasks]
+        rows = [RunMirror(m.slot, m.data, m.block_tables) for m in mirrors]
+        if len(tasks) == len(batch.requests):
+            return self.runs.run(batch, rows, self.timer)
+        return self.runs.run(batch, rows, self.timer, lambda i, run: self._invoke(batch, i, run))
 
     def _draft(self, drafts: list[DraftSample]) -> None:
         """Draft tokens of windows: each from the state of the window position before it."""
@@ -190,22 +198,24 @@ class ModelRunner:
 
         return to_host
 
-    def _invoke(self, batch: ExecutionBatch, i: int) -> torch.Tensor | None:
+    def _invoke(self, batch: ExecutionBatch, i: int, run: RunRows | None = None):
         """Invocation `i` of the batch over its live rows (rows in plan order, at their position
         and depth in that invocation); returns their gate logits [R] fp32, or None when no row
-        is live."""
+        is live. `run`: a device run's rows (the batch's first tasks) ride it, at their head."""
         live = batch.live(i, self.num_loops)
-        if not live:
+        run_tasks = len(batch.decode_run.rows) if run is not None else 0
+        if len(live) == run_tasks:
             return None
-        starts, counts, tables, rows = [], [], [], []
+        riders = run.num_rows if run is not None else 0  # (idle rows pad a run's rows)
+        starts, counts, tables, rows = run.placeholders() if run else ([], [], [], [])
         # prompt rows entering through the prelude
         prompt_rows, prompt_tokens, prompt_segs = [], [], []
         # decode and window rows entering: (slot, window offset) of their token
         decode_rows, decode_slots, decode_offsets, decode_segs = [], [], [], []
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
         finish_rows, finish_segs = [], []  # prompt rows past their last loop: their coda
-        row = 0
-        for t, depth in live:
+        row = riders
+        for t, depth in live[run_tasks:]:
             m = self.reqs[t.request_id]
             starts.append(t.token_start)
             counts.append(t.num_tokens)
@@ -244,12 +254,16 @@ class ModelRunner:
             entry = to_device(prompt_rows + decode_rows, torch.int64, self.device)
             segments = prompt_segs + decode_segs
             hidden[entry] = self.edges.enter(tokens, meta.positions[entry], segments)
+        if run is not None:
+            meta = run.ride(meta, hidden)
         with self._timed(live, row, static):
             if static is None:
                 out, gate = self.model.recurrent_core(hidden, meta, self.kv_cache)
             else:
                 out, gate = self.graphs.run(static)
-        self.states.buffer[index] = out
+        if run is not None:
+            run.leave(out, gate)
+        self.states.buffer[index[riders:]] = out[riders:]
         if finish_rows:
             self.edges.finish(out, finish_rows, finish_segs)
         if done_src:

@@ -37,8 +37,7 @@ def exit_rows(s, r: int, mode: str, gate: torch.Tensor, out: torch.Tensor,
               buffer: torch.Tensor) -> None:  # fmt: skip
     """`kernels/run_rows.exit_rows`."""
     live, loops, exit_at = _live(s, r), s.loops[:r], s.exit_at[:r]
-    rows = s.state_rows[:r]
-    buffer[rows] = torch.where(live[:, None], out, buffer[rows])
+    buffer[s.state_rows[:r][live]] = out[live].to(buffer.dtype)  # (idle rows may share one)
     loops += live
     if mode == "trace":
         exits = loops >= exit_at
@@ -84,8 +83,7 @@ def take_tokens(s, r: int, token_ids: torch.Tensor, window_tokens: torch.Tensor)
     s.tokens[:, :r].index_copy_(0, phase, token_ids[None])
     s.sampled[:, :r].index_copy_(0, phase, now[None])
     s.depths[:, :r].index_copy_(0, phase, s.loops[None, :r])
-    slots = s.slots[:r]
-    window_tokens[slots, 0] = torch.where(now, token_ids, window_tokens[slots, 0])
+    window_tokens[s.slots[:r][now], 0] = token_ids[now]
     count = s.count[:r]
     count += now
     stop = s.stop_mask[:r].gather(1, token_ids[:, None])[:, 0]

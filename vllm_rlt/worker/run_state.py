@@ -7,6 +7,7 @@ other per-request buffers, before the KV cache is sized."""
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ class RunState:
         self.top_k, self.seeds = zeros(s), zeros(s)
         # block tables of every plane, and the invocation's attention tables
         self.tables = zeros(s, num_planes, max_blocks)
+        self.width = 1  # blocks per plane the loaded run's tables hold
         self.meta_tables = zeros(s, max_blocks, dtype=torch.int32)
         self.slot_mapping, self.seg_starts = zeros(s), zeros(s, dtype=torch.int32)
         self.hidden = zeros(s, hidden_size, dtype=dtype)
@@ -55,13 +57,15 @@ class RunState:
         self.phase = zeros(1)
         self._logprobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def load(self, run: DecodeRun, mirrors, states) -> SamplingTensors:
+    def load(self, run: DecodeRun, mirrors, states, padded: int) -> SamplingTensors:
         """Load the run's rows (`mirrors`: RunMirror per row, `states`: the HiddenStateStore)
-        into the first R rows (a carried run: only what it changes); returns their sampling
-        tensors, views of the buffers."""
+        into the first R rows (a carried run: only what it changes), and idle rows after them
+        up to `padded` rows; returns the sampling tensors of all of them, views of the
+        buffers."""
         rows, r = run.rows, len(run.rows)
         if not run.carried:
             self._load_states(run, mirrors, states)
+            self._idle(r, padded)
         self.phase.zero_()
         self.base[:r].copy_(to_device([x.num_sampled for x in rows], torch.int64, self.device))
         # the blocks of the positions the runs may reach (all the rows' blocks)
@@ -74,13 +78,33 @@ class RunState:
                 table = m.block_tables[p][:width]
                 tables[i, p, : len(table)] = table
         self.tables[:r, :, :width].copy_(to_device(tables, torch.int64, self.device))
+        self.width = width
         traces = max(len(x.trace) for x in rows)
         if traces:
             trace = np.zeros((r, traces), dtype=np.int64)
             for i, x in enumerate(rows):
                 trace[i, : len(x.trace)] = x.trace
             self.trace[:r, :traces].copy_(to_device(trace, torch.int64, self.device))
-        return self._sampling([m.params for m in mirrors])
+        params = [m.params for m in mirrors]
+        return self._sampling(params + params[:1] * (padded - r))
+
+    def idle(self, rows: int) -> SamplingTensors:
+        """The first `rows` rows idle (stopped: they run no loop and take no token), with greedy
+        sampling tensors: a run's functions over them change nothing but the scratch block."""
+        self._idle(0, rows)
+        self.phase.zero_()
+        greedy = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, num_logprobs=-1)
+        return self._sampling([greedy] * rows)
+
+    def _idle(self, start: int, end: int) -> None:
+        """Rows [start, end) stopped, their state rows and slots valid indices, at position 0
+        (their attention reads one position)."""
+        self.done[start:end] = True
+        self.position[start:end] = 0
+        self.ready[start:end] = False
+        self.exited[start:end] = False
+        self.state_rows[start:end] = 0
+        self.slots[start:end] = 0
 
     def _load_states(self, run: DecodeRun, mirrors, states) -> None:
         """The rows' token states, counts, settings and stop tokens."""

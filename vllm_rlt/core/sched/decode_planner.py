@@ -42,22 +42,26 @@ class DecodePlanner:
             return self.spec.loops_to_decision(req.spec)
         return self.exit_policy.loops_to_decision(req.decode, req.exit)
 
-    def apart(self, running: list[Request], limit: int, runs: bool) -> bool:
+    def apart(self, running: list[Request], limit: int, runs: bool, single_loop: bool) -> bool:
         """R7 (docs/design/scheduler.md §2): whether decode rows and prefill tasks run in
         separate batches now, because a prompt in prefill is longer than `limit` or a decoding
         request is past it. A mixed invocation lasts as long as its longest-context tile
         (prefill tiles of a long prompt, or a decode row's tile, which mixed graphs do not
         split), so riding decode rows would pay for the long context at every loop and long
         decode rows would hold up the prefill rows. Only when every decoding token runs a fixed
-        number of loops, so that a decode step can run all of them at once; or, with device
-        runs (`runs`), whenever a decoding token reads its gate: its decode steps run as device
-        runs, which prefill rows cannot ride, instead of one host decision per loop."""
+        number of loops, so that a decode step can run all of them at once, or with device
+        `runs`, which take the other tokens' decisions on the device. Prefill batches of one
+        loop (`single_loop`: WCPB) give a run nothing to ride: then whenever a decoding token
+        reads its gate, its decode steps run as device runs instead of one host decision per
+        loop beside each prefill batch."""
         decoding = self.decoding(running)
         prefilling = [r for r in running if r.in_prefill]
         if not decoding or not prefilling:
             return False
-        if not self.fixed_loops(decoding):
-            return runs and any(
+        if not self.fixed_loops(decoding) and not runs:
+            return False
+        if not self.fixed_loops(decoding) and single_loop:
+            return any(
                 self.exit_policy.reads_gate(r.decode or DecodeToken(0, 0), r.exit) for r in decoding
             )
         return any(r.prefill_len > limit for r in prefilling) or any(

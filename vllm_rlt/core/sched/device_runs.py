@@ -4,13 +4,13 @@ its invocations (`DecodeRun`). `RunPlanner.plan` decides whether the step's deco
 and for how many invocations, and reserves the KV blocks every token they may produce writes;
 `RunPlanner.apply` takes the tokens back.
 
-A run is planned for a batch of decode rows alone (no prefill task; under mixed scheduling such
-rows take turns with prefill batches, R7) with no speculative window, when some decoding token's
-exit depends on its gate or varies (fixed-depth decoding already runs all its loops per step,
-R1) and the blocks fit without preempting anyone. Its length is `device_decode_loops` (one
-token's loops while a prompt waits for its prefill turn), at most `max_prefill_stall_loops` (R4:
-arrivals wait at most that many loops), and no longer than the rows' longest remaining work
-(`max_tokens`).
+A run is planned over a step's decode rows with no speculative window, when some decoding
+token's exit depends on its gate or varies (fixed-depth decoding already runs all its loops per
+step, R1) and the blocks fit without preempting anyone. Alone in its batch, its length is
+`device_decode_loops` (one token's loops while a prompt waits for its prefill turn, R7), at most
+`max_prefill_stall_loops` (R4: arrivals wait at most that many loops), and no longer than the
+rows' longest remaining work (`max_tokens`). Beside prefill tasks (mixed scheduling), it runs
+the prefill batch's loops (R2-R6), its rows riding those invocations.
 """
 
 from __future__ import annotations
@@ -48,25 +48,32 @@ class RunPlanner:
         self.exit_policy = exit_policy
         self.num_loops = num_loops
 
+    def wanted(self, tasks: list[ScheduledRequest], requests: dict[str, Request]) -> bool:
+        """Whether the decode `tasks` (planned by DecodePlanner) run as a device run when their
+        blocks fit: no speculative window, and some token's exit depends on its gate or varies
+        (fixed-depth decoding already runs all its loops per step, R1)."""
+        if not self.enabled or not tasks or any(t.kind is not RowKind.DECODE for t in tasks):
+            return False
+        return any(self.exit_policy.fixed_loops(requests[t.request_id].exit) is None for t in tasks)
+
     def plan(
         self,
         tasks: list[ScheduledRequest],
         requests: dict[str, Request],
         running: list[Request],
         exits: list[tuple[str, int, int]],
+        beside: int = 0,
     ) -> DecodeRun | None:
-        """A run over the decode `tasks` (of a batch without prefill tasks, planned by
-        DecodePlanner), or None when the step runs as before: speculative windows, fixed depth,
-        or blocks that do not fit. Allocates the run's blocks (`exits`: the skipped-depth copies
-        the step applies first)."""
-        if not self.enabled or not tasks or any(t.kind is not RowKind.DECODE for t in tasks):
+        """A run over the decode `tasks` (planned by DecodePlanner), or None when the step runs
+        as before: not `wanted`, or blocks that do not fit. `beside`: the loops of the prefill
+        batch it rides (0: a batch of the run alone). Allocates the run's blocks (`exits`: the
+        skipped-depth copies the step applies first)."""
+        if not self.wanted(tasks, requests):
             return None
         reqs = [requests[t.request_id] for t in tasks]
-        if all(self.exit_policy.fixed_loops(r.exit) is not None for r in reqs):
-            return None
         # a prompt waiting for its prefill turn (R7) waits one token's loops at most
         longest = self.num_loops if any(r.in_prefill for r in running) else self.max_loops
-        loops = min(longest, max(self._work(r) for r in reqs))
+        loops = beside or min(longest, max(self._work(r) for r in reqs))
         if loops < 2:
             return None
         if not self._reserve(reqs, loops, exits):

@@ -178,14 +178,16 @@ class RunRow:
 
 @dataclass(frozen=True)
 class DecodeRun:
-    """A decode-only step whose rows cross token boundaries on the device
+    """Decode rows that cross token boundaries on the device for a whole step
     (docs/design/runner.md §7): before every invocation the rows whose token exited are sampled
     (coda and sampler) and their next token enters at depth 0; after it every row's exit rule
     runs on its gate, and an exit fills its skipped KV planes. The host reads the tokens back
-    once, after the step (`RunRowResult`)."""
+    once, after the step (`RunRowResult`). The run's rows are the batch's first tasks; prefill
+    tasks after them (a run beside prefill) run as in any batch, the run's rows riding their
+    invocations."""
 
     exit_mode: str  # ouro, ouro_delayed or trace (make_exit_policy's modes)
-    rows: tuple[RunRow, ...]  # one per task of the batch, in plan order
+    rows: tuple[RunRow, ...]  # one per decode task of the batch (its first tasks), in plan order
     # loop_count + 1 entries: whether a row may have exited before invocation i (the last entry:
     # after the last invocation); the coda and sampler run only there
     sample_at: tuple[bool, ...]
@@ -210,7 +212,7 @@ class ExecutionBatch:
     drafts: tuple[DraftSample, ...] = ()  # draft tokens, each before its invocation
     verifies: tuple[VerifySample, ...] = ()  # windows accepted after the invocations
     finished_req_ids: tuple[str, ...] = ()  # requests the runner forgets before this step
-    decode_run: DecodeRun | None = None  # a device run over the (decode) tasks, loop_count long
+    decode_run: DecodeRun | None = None  # a device run over the decode tasks, loop_count long
 
     @property
     def num_rows(self) -> int:
@@ -220,11 +222,11 @@ class ExecutionBatch:
         """(task, depth) of the tasks with rows in invocation `invocation` (0-based) of a
         depth-`num_loops` model: every task at `depth + invocation` until its final depth
         (decode rows never get that far in one batch); a drafting row moved on to the position
-        it runs there (`ScheduledRequest.at`)."""
-        if self.decode_run is not None:  # every row runs every invocation, at the device's depth
-            return tuple((t, t.depth) for t in self.requests)
-        rows = []
-        for t in self.requests:
+        it runs there (`ScheduledRequest.at`); a device run's rows in every invocation, at the
+        depth they were planned at (the device knows the rest)."""
+        riders = len(self.decode_run.rows) if self.decode_run is not None else 0
+        rows = [(t, t.depth) for t in self.requests[:riders]]
+        for t in self.requests[riders:]:
             if t.draft_loops:
                 t = t.at(invocation)
                 rows.append((t, t.depth))

@@ -137,7 +137,8 @@ class Scheduler:
         run = None  # a device run over the decode tasks (device_runs.py)
         mixed = self.config.scheduling_mode == "mixed"
         limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
-        self._apart_now = mixed and self.decode.apart(self.running, limit, self.runs.enabled)
+        runs, single_loop = self.runs.enabled, self.planner.single_loop
+        self._apart_now = mixed and self.decode.apart(self.running, limit, runs, single_loop)
         if self._apart_now:
             tasks, loops, run = self._take_turn(budget, samples, admitted)
         elif mixed:
@@ -147,8 +148,7 @@ class Scheduler:
             cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
             prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
-            run = None if prefill_tasks else self._run(decode_tasks)
-            tasks, loops = self._place(decode_tasks, prefill_tasks, samples, admitted, run)
+            tasks, loops, run = self._mixed(decode_tasks, prefill_tasks, samples, admitted)
             self.decode.record_ride(tasks, self.requests, loops, self.config)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
@@ -166,6 +166,8 @@ class Scheduler:
         reqs = [self.requests.get(t.request_id) for t in flight.requests]
         seats = len(self.running) < self.config.max_num_seqs
         if None in reqs or (self.waiting and seats):  # a waiting request takes a seat now
+            return None
+        if len(reqs) > len(flight.decode_run.rows):  # it ran beside prefill
             return None
         run = self.runs.carry(flight.decode_run, reqs, self.running, bool(self.waiting))
         if run is None:
@@ -264,6 +266,27 @@ class Scheduler:
         """A device run of the decode tasks, its blocks allocated (None: the step runs them on
         the host's decisions)."""
         return self.runs.plan(decode_tasks, self.requests, self.running, self._exits)
+
+    def _mixed(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict):
+        """A mixed batch: decode rows ride the prefill tasks' invocations. Rows that would run
+        as a device run (gate readers) do so for the prefill batch's loops (R2-R6) when it runs
+        at least two; otherwise every row runs one loop on the host's decisions (R1). Returns
+        the tasks, their loop count and the run (or None)."""
+        if not prefill_tasks:
+            run = self._run(decode_tasks)
+            return *self._place(decode_tasks, [], samples, admitted, run), run
+        wanted = self.runs.wanted(decode_tasks, self.requests)
+        if not wanted or self._loop_count([], prefill_tasks) < 2:
+            return *self._place(decode_tasks, prefill_tasks, samples, admitted), None
+        tasks, loops = self._place([], prefill_tasks, samples, admitted)
+        running = RequestStatus.RUNNING  # (not preempted by the prefill's placement)
+        decode_tasks = [t for t in decode_tasks if self.requests[t.request_id].status is running]
+        if not tasks:  # the placement preempted every prefill task's request
+            return self._mixed(decode_tasks, [], samples, admitted)
+        run = self.runs.plan(decode_tasks, self.requests, self.running, self._exits, loops)
+        if run is None:  # the run's blocks do not fit (or victims left one loop): rows wait
+            return tasks, loops, None
+        return decode_tasks + tasks, loops, run
 
     def _place(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict, run=None):
         """Allocate the blocks the plan writes, preempting requests while they do not fit;
@@ -406,7 +429,7 @@ class Scheduler:
         if batch is self._flight:
             self._flight = None
         touched = []
-        for task, result in zip(batch.requests, results, strict=True):
+        for task, result in zip(batch.requests[: len(results)], results, strict=True):
             req = self.requests.get(task.request_id)
             if req is not None:
                 self.runs.apply(req, result, self._append_token)
