@@ -93,6 +93,8 @@ BAD_VALUES = [
     ("logprobs", -1, r"logprobs must be in \[0, 20\], got -1"),
     ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
     ("logprobs", True, "logprobs must be an int, got True"),
+    ("prompt_logprobs", 21, r"prompt_logprobs must be in \[0, 20\], got 21"),
+    ("prompt_logprobs", 1.5, "prompt_logprobs must be an int, got 1.5"),
 ]
 
 

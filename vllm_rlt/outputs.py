@@ -30,3 +30,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} for it and the top
+    # alternatives (None for the first token, which nothing scores)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

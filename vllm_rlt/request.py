@@ -96,6 +96,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_exit_depths: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs (of the first sample only): per prompt position, its token's
+    # {token id: logprob} with the top alternatives (None for the first, or not yet scored)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: int | str | None = None
 
     @property

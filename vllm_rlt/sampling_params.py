@@ -98,6 +98,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation (a list is ok)
     stop: tuple[str, ...] = ()  # strings that end generation, not included in the output
     logprobs: int | None = None  # top alternatives returned per token besides the sampled one
+    # per prompt token after the first: its logprob and this many top alternatives (computed
+    # at full depth, where the prompt runs; the request skips the prefix cache)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         fix = self._fix
@@ -155,11 +158,12 @@ class SamplingParams:
         fix("stop_token_ids", _token_ids(self.stop_token_ids))
         fix("stop", _stop_strings(self.stop))
 
-        if self.logprobs is not None:
-            logprobs = _int("logprobs", self.logprobs)
-            if not 0 <= logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-            fix("logprobs", logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = _int(name, getattr(self, name))
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                fix(name, value)
 
     def _fix(self, name: str, value: Any) -> None:
         """Store a normalised value on the frozen instance (only from __post_init__)."""
@@ -178,10 +182,12 @@ class SamplingParams:
                 f"top_k must be -1, 0 (off) or in [1, {vocab_size}] (the vocabulary), got "
                 f"{self.top_k}"
             )
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(
-                f"logprobs must be at most {vocab_size} (the vocabulary), got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(
+                    f"{name} must be at most {vocab_size} (the vocabulary), got {value}"
+                )
         outside = [t for t in self.stop_token_ids if t >= vocab_size]
         if outside:
             raise ValueError(

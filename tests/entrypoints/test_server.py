@@ -9,8 +9,15 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server_utils import openai_client, read_metrics, tiny_server, wait_idle
+from tests.entrypoints.server_utils import (
+    openai_client,
+    read_metrics,
+    tiny_engine,
+    tiny_server,
+    wait_idle,
+)
 from vllm_rlt.models.tiny import write_tiny_ouro
+from vllm_rlt.sampling_params import SamplingParams
 
 MODEL = "tiny-test"
 KEY = "sk-test-key"
@@ -132,6 +139,26 @@ def test_token_id_prompts_logprobs_and_echo(client, server):
     echo = _create(client, prompt="def f(x):", echo=True, max_tokens=4, temperature=0,
                    ignore_eos=True)  # fmt: skip
     assert echo.choices[0].text == "def f(x):" + out.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, server, model_dir):
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): the context and the
+    continuation as one prompt, max_tokens 1, echo, logprobs 1, temperature 0. Every prompt
+    token but the first has its logprob and top alternative (the greedy check), the engine's
+    own prompt scoring."""
+    tok = server.engine.tokenizer
+    ids = tok.encode("def f(x): return x + 1").ids
+    out = _create(client, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    offline = tiny_engine(model_dir)  # the same scoring offline
+    offline.add_request("x", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    want = offline.generate_all()[0].prompt_logprobs
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - want[p][ids[p]]) < 1e-5
 
 
 # ---- chat ------------------------------------------------------------------------------------

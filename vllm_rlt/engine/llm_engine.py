@@ -235,6 +235,8 @@ class LLMEngine:
             )
             for i, child in enumerate(children)
         ]
+        if params.prompt_logprobs is not None:  # (the samples share the prompt: one scores it)
+            reqs[0].prompt_logprobs = [None] * len(ids)
         # everything above may fail; nothing below does, so a request is queued whole or not at all
         self.outputs.add(request_id, text, ids, children)
         for req in reqs:
@@ -249,6 +251,8 @@ class LLMEngine:
         self._validate(prompt_ids, params)
         if params.n != 1:
             raise ValueError("n: a disaggregated server runs one sample per request (n=1)")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: a disaggregated server scores no prompt tokens")
         if request_id in self.scheduler.requests or self.outputs.children(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         settings = self._exit_settings(params, None)
@@ -357,6 +361,11 @@ class LLMEngine:
     def _read_tokens(self, batch: ExecutionBatch, launched: StepOutput) -> list[RequestOutput]:
         """Apply and emit a step's sampled tokens (several for a verified window)."""
         requests = self.scheduler.requests
+        for req_id, scored in launched.read_prompt_logprobs().items():
+            req = requests.get(req_id)
+            for position, token in scored if req is not None else ():
+                req.prompt_logprobs[position] = {token.token_id: token.logprob,
+                                                 **dict(token.top_logprobs)}  # fmt: skip
         windows = [v.request_id for v in batch.verifies]
         before = {r: len(requests[r].output_token_ids) for r in windows if r in requests}
         return self._emit(self.scheduler.apply_tokens(batch, launched.read_tokens()), before)

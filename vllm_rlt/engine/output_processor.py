@@ -47,6 +47,8 @@ class OutputProcessor:
         comp.exit_depths = list(req.output_exit_depths)
         if req.sampling_params.logprobs is not None:
             comp.logprobs = list(req.output_logprobs)
+        if req.prompt_logprobs is not None:
+            self._parents[parent_id].output.prompt_logprobs = list(req.prompt_logprobs)
         hit = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)

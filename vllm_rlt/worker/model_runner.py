@@ -38,6 +38,7 @@ from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.prompt_logprobs import Pick, PromptLogprobs
 from vllm_rlt.worker.sampler import SamplingTensors, host_tokens, sample
 from vllm_rlt.worker.spec_windows import WindowTokens
 
@@ -85,6 +86,7 @@ class ModelRunner:
         self.windows = windows
         self.edges = edge_stages_for(model, kv_cache, num_planes, tile_rows)
         self.runs = runs
+        self.prompt_logprobs = PromptLogprobs(self.edges, self.device)
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
 
@@ -96,7 +98,7 @@ class ModelRunner:
             self.kv_cache.copy_slots(pairs[:, 0], pairs[:, 1])
         sampled = self._sample(batch.sample_req_ids, batch.sample_indices)
         if batch.decode_run is not None:
-            return StepOutput((), sampled, self._run(batch))
+            return StepOutput((), sampled, self._run(batch), self.prompt_logprobs.take())
         drafts: dict[int, list[DraftSample]] = {}
         for d in batch.drafts:
             drafts.setdefault(d.invocation, []).append(d)
@@ -118,7 +120,7 @@ class ModelRunner:
         decode_gates = read_gates.tolist() if read_gates is not None else []
         if batch.verifies:
             sampled = _merged(sampled, self._verify(batch))
-        return StepOutput(tuple(decode_gates), sampled)
+        return StepOutput(tuple(decode_gates), sampled, None, self.prompt_logprobs.take())
 
     def _run(self, batch: ExecutionBatch) -> Callable[[], tuple]:
         """Queue the batch's device run over its first tasks; with prefill tasks after them, the
@@ -214,6 +216,7 @@ class ModelRunner:
         decode_rows, decode_slots, decode_offsets, decode_segs = [], [], [], []
         done_src, done_dst = [], []  # last prompt row -> decode row when prefill completes
         finish_rows, finish_segs = [], []  # prompt rows past their last loop: their coda
+        scored: list[Pick] = []  # prompt rows past their last loop that score a prompt token
         row = riders
         for t, depth in live[run_tasks:]:
             m = self.reqs[t.request_id]
@@ -239,6 +242,9 @@ class ModelRunner:
                 for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
                     finish_rows.extend(range(row + offset, row + offset + n))
                     finish_segs.append(m.segment(t.token_start + offset, n))
+            n = self.prompt_logprobs.rows_of(m.data, t.token_start, t.num_tokens)
+            if prefill and depth == self.num_loops - 1 and n:
+                scored.append((row, t.token_start, m.data, m.segment(t.token_start, n)))
             if prefill and depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
                 done_src.append(row + t.num_tokens - 1)
                 done_dst.append(self.states.decode_row(m.slot))
@@ -266,6 +272,8 @@ class ModelRunner:
         self.states.buffer[index[riders:]] = out[riders:]
         if finish_rows:
             self.edges.finish(out, finish_rows, finish_segs)
+        if scored:
+            self.prompt_logprobs.score(out, scored)
         if done_src:
             src = to_device(done_src, torch.int64, self.device)
             self.states.buffer[to_device(done_dst, torch.int64, self.device)] = out[src]

@@ -95,7 +95,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         token_ids = torch.where(greedy_rows(t), greedy_ids, random_ids)
     if t.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None)
-    logprobs, logprob_token_ids = _logprobs(logits, token_ids, t.num_logprobs)
+    logprobs, logprob_token_ids = token_logprobs(logits, token_ids, t.num_logprobs)
     return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
 
@@ -144,7 +144,7 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_ids: torch.T
     return -torch.log(-torch.log1p(-w))  # -log(Exp(1)) is Gumbel(0, 1)
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int):
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int):
     """Raw-logit logprobs: column 0 the sampled token, then the top `num_logprobs` descending."""
     logprobs = logits.float().log_softmax(dim=-1)
     ids = token_ids[:, None]

@@ -107,6 +107,7 @@ class NewRequestData:
     top_p: float  # 1.0 = off
     seed: int  # always set: the scheduler draws one for unseeded requests
     num_logprobs: int  # top alternatives to return per token; -1 = none
+    num_prompt_logprobs: int  # the same for the prompt's tokens (scored at full depth); -1 = none
     init_scale: float  # scale of a random initial recurrent state (Huginn); 0 = zero state
     # a resumed request (preempted, now recomputing): the newest token sampled before, which its
     # first decode row takes (prompt_token_ids then holds the prompt and the output tokens fed
@@ -129,6 +130,7 @@ class NewRequestData:
             top_p=params.top_p,
             seed=req.seed,
             num_logprobs=-1 if params.logprobs is None else params.logprobs,
+            num_prompt_logprobs=-1 if req.prompt_logprobs is None else params.prompt_logprobs,
             init_scale=1.0 if params.init_scale is None else params.init_scale,
             resume_token=outputs[-1] if outputs else None,
             resumed_loops=tuple(req.output_exit_depths[1 : req.resume_tokens + 1]),
@@ -286,3 +288,6 @@ class StepOutput:
     read_tokens: Callable[[], dict[str | VerifySample, SampledToken | tuple[SampledToken, ...]]]
     # waits for a device run's tokens and final row states, one per task (None: no run)
     read_run: Callable[[], tuple[RunRowResult, ...]] | None = None
+    # waits for the prompt tokens scored in the step (`SamplingParams.prompt_logprobs`):
+    # request_id -> (position, the prompt's token there with its logprobs)
+    read_prompt_logprobs: Callable[[], dict[str, list[tuple[int, SampledToken]]]] = dict

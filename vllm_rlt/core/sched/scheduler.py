@@ -216,8 +216,10 @@ class Scheduler:
                 break
             req.resume_tokens = max(0, len(req.output_token_ids) - 1)
             ids = req.prefill_token_ids()
-            # generated positions are never cached; the last position is always recomputed
+            # generated positions are never cached; the last position is always recomputed; a
+            # prompt whose tokens are scored runs whole
             queried = min(req.num_prompt_tokens, req.prefill_len - 1)
+            queried *= req.prompt_logprobs is None
             hit = self.kv.find_prefix(ids, queried)
             # its whole prefill and first decode position fit beside the cached prefix
             writes = min(req.prefill_len + 1, req.max_positions)

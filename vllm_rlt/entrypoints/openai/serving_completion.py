@@ -51,7 +51,7 @@ class _Logprobs:
         self.offset: dict[int, int] = {}
 
     def build(
-        self, index: int, ids: list[int], lps: list[dict[int, float]] | None
+        self, index: int, ids: list[int], lps: list[dict[int, float] | None]
     ) -> CompletionLogProbs:
         out = CompletionLogProbs()
         offset = self.offset.get(index, 0)
@@ -61,11 +61,11 @@ class _Logprobs:
             out.tokens.append(name(tok, self.as_ids))
             out.text_offset.append(offset)
             offset += len(text)
-            if lps is None:  # echoed prompt tokens: the engine computes no prompt logprobs
+            entry = lps[i]
+            if entry is None:  # the prompt's first token: nothing scores it
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
                 continue
-            entry = lps[i]
             out.token_logprobs.append(entry[tok])
             top = {name(t, self.as_ids): lp for t, lp in entry.items() if t != tok}
             top[name(tok, self.as_ids)] = entry[tok]  # two ids may decode alike: this one wins
@@ -87,9 +87,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream")
     prompts = _prompts(state, req.prompt)
+    # echo with logprobs: the prompt's tokens are scored too (evaluation harnesses read them)
+    prompt_logprobs = req.logprobs if req.echo else None
     params = state.sampling_params(
-        max_tokens=req.max_tokens, logprobs=req.logprobs, **req.sampling_kwargs()
-    )
+        max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+        **req.sampling_kwargs(),
+    )  # fmt: skip
     request_id = random_id("cmpl")
     sub = await add_all(state, request_id, prompts, params)
     ctx = _Context(state, req, request_id, prompts, params.n)
@@ -131,10 +134,10 @@ class _Context:
         tok = self.state.tokenizer
         return tok.decode(self.prompts[i], skip_special_tokens=False) if tok else ""
 
-    def _echo_logprobs(self, index: int, i: int) -> CompletionLogProbs | None:
+    def _echo_logprobs(self, index: int, i: int, out: RequestOutput) -> CompletionLogProbs | None:
         if not self.req.echo:
             return None
-        return self.logprobs.build(index, self.prompts[i], None)
+        return self.logprobs.build(index, self.prompts[i], out.prompt_logprobs)
 
     def response(self, finals: dict[int, RequestOutput]) -> CompletionResponse:
         choices, comps = [], []
@@ -144,7 +147,7 @@ class _Context:
                 text = comp.text
                 lp = None
                 if self.req.logprobs is not None:
-                    head = self._echo_logprobs(index, i)
+                    head = self._echo_logprobs(index, i, finals[i])
                     lp = self.logprobs.build(index, comp.token_ids, comp.logprobs)
                     lp = self.logprobs.extend(head, lp) if head else lp
                 if self.req.echo:
@@ -172,7 +175,7 @@ class _Context:
                         continue
                     lp = None
                     if self.req.logprobs is not None:
-                        head = self._echo_logprobs(index, i) if first else None
+                        head = self._echo_logprobs(index, i, out) if first else None
                         lps = comp.logprobs[start:end] if comp.logprobs else []
                         lp = self.logprobs.build(index, comp.token_ids[start:end], lps)
                         lp = self.logprobs.extend(head, lp) if head else lp
