@@ -88,4 +88,3 @@ def test_n_samples_share_one_scoring_and_the_rest_is_unchanged(model_dir):
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert all(len(e) == 1 and next(iter(e)) == tok
                for e, tok in zip(b.prompt_logprobs[1:], prompt[1:], strict=True))  # fmt: skip
-
