@@ -97,7 +97,9 @@ class DecodeRole(StreamingRole):
             imp.num_chunks += 1
             if chunk.payload is not None:
                 imp.num_bytes += chunk.payload.numel() * chunk.payload.element_size()
-            imp.complete |= chunk.last
+            if chunk.last:
+                imp.complete = True
+                self.conn.send(msg.KVArrived(chunk.handle))
         self._start()
 
     def _reserve(self) -> None:

@@ -94,6 +94,13 @@ class FirstToken:
 
 
 @dataclass(frozen=True)
+class KVArrived:
+    """decode -> front end: the request's last KV chunk arrived (its prefill engine may go)."""
+
+    handle: int
+
+
+@dataclass(frozen=True)
 class Imported:
     """decode -> front end: the request decodes; when its first KV chunk arrived."""
 

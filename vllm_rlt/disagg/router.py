@@ -3,7 +3,9 @@ least-loaded prefill and decode engine, relays the control messages of its life 
 and streams its outputs from the decode side.
 
 Faults (beyond `FrontEnd`'s): a request fails when its decode engine dies, or its prefill
-engine before its first token; the prefill engines stop sending KV to a dead decode engine.
+engine before its first token and its last KV chunk came from there (a request whose KV stops
+midway would wait for it forever); the prefill engines stop sending KV to a dead decode
+engine.
 With no prefill or no decode engine left, `error` is set and the server stops.
 """
 
@@ -36,7 +38,16 @@ class _PDFlight(Flight):
     prefill: EngineHandle
     decode: EngineHandle
     prefill_done: bool = False  # the first token came back: the prefill side is finished
+    kv_arrived: bool = False  # the decode engine has all its KV
     transfer: dict[str, float] = field(default_factory=dict)  # see `PDRouter.transfers`
+
+    def needs(self, engine: EngineHandle) -> bool:
+        """Whether the request fails when `engine` dies: its decode engine, and its prefill
+        engine until both its first token and all its KV came from there (KV chunks are
+        still on their way after the first token)."""
+        return self.decode is engine or (
+            self.prefill is engine and not (self.prefill_done and self.kv_arrived)
+        )
 
 
 class PDRouter(FrontEnd):
@@ -89,7 +100,7 @@ class PDRouter(FrontEnd):
         return sum(not f.prefill_done for f in self._flights.values())
 
     def _depends_on(self, flight: _PDFlight, engine: EngineHandle) -> bool:
-        return flight.decode is engine or flight.prefill is engine and not flight.prefill_done
+        return flight.needs(engine)
 
     def _survive(self, engine: EngineHandle) -> bool:
         if not engine.place.is_prefill:  # (a decode engine's receiving threads end by themselves)
@@ -112,6 +123,8 @@ class PDRouter(FrontEnd):
             flight.prefill.load -= 1
             flight.transfer["prefill_done_at"] = m.prefill_done_at
             self._send(flight.decode, m)
+        elif isinstance(m, msg.KVArrived):
+            flight.kv_arrived = True
         elif isinstance(m, msg.Imported):
             flight.transfer["first_chunk_at"] = m.first_chunk_at
             self._count_transfer(flight.transfer, m)
