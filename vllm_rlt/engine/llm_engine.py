@@ -363,9 +363,10 @@ class LLMEngine:
         requests = self.scheduler.requests
         for req_id, scored in launched.read_prompt_logprobs().items():
             req = requests.get(req_id)
-            for position, token in scored if req is not None else ():
-                req.prompt_logprobs[position] = {token.token_id: token.logprob,
-                                                 **dict(token.top_logprobs)}  # fmt: skip
+            if req is None:  # ended meanwhile
+                continue
+            for position, token in scored:
+                req.prompt_logprobs[position] = token.logprobs()
         windows = [v.request_id for v in batch.verifies]
         before = {r: len(requests[r].output_token_ids) for r in windows if r in requests}
         return self._emit(self.scheduler.apply_tokens(batch, launched.read_tokens()), before)

@@ -220,10 +220,14 @@ class RunRows:
 
     def enter(self) -> tuple[torch.Tensor, AttentionMetadata]:
         """The rows' input hidden states and attention tables."""
+        return self._enter(), self.meta or self.runner.metadata(self.num_rows)
+
+    def _enter(self) -> torch.Tensor:
+        """Rows at depth 0 take their prelude; each row's plane, slot and tables; its input."""
         d, s, r = self.runner, self.runner.state, self.num_rows
         entry = d.edges.enter(d.windows.tokens[s.slots[:r], 0], s.position[:r], [])
         d.ops.enter_rows(s, r, entry, d.states.buffer, d.scratch, d.block_size)
-        return s.hidden[:r], self.meta or d.metadata(r)
+        return s.hidden[:r]
 
     def leave(self, out: torch.Tensor, gate: torch.Tensor) -> None:
         """The rows' outputs and gate logits (their first `num_rows` rows)."""
@@ -245,8 +249,7 @@ class RunRows:
         (`meta`) and input rows (`hidden`). Returns the tables with their host copies and
         context bound."""
         d, s, r = self.runner, self.runner.state, self.num_rows
-        inputs, _ = self.enter()
-        hidden[:r] = inputs
+        hidden[:r] = self._enter()
         meta.positions[:r] = s.position[:r]
         meta.slot_mapping[:r] = s.slot_mapping[:r]
         meta.seg_token_starts[:r] = s.seg_starts[:r]

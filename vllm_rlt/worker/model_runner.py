@@ -209,7 +209,7 @@ class ModelRunner:
         if len(live) == run_tasks:
             return None
         riders = run.num_rows if run is not None else 0  # (idle rows pad a run's rows)
-        starts, counts, tables, rows = run.placeholders() if run else ([], [], [], [])
+        starts, counts, tables, rows = run.placeholders() if run is not None else ([], [], [], [])
         # prompt rows entering through the prelude
         prompt_rows, prompt_tokens, prompt_segs = [], [], []
         # decode and window rows entering: (slot, window offset) of their token
@@ -242,10 +242,11 @@ class ModelRunner:
                 for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
                     finish_rows.extend(range(row + offset, row + offset + n))
                     finish_segs.append(m.segment(t.token_start + offset, n))
-            n = self.prompt_logprobs.rows_of(m.data, t.token_start, t.num_tokens)
-            if prefill and depth == self.num_loops - 1 and n:
+            last_loop = prefill and depth == self.num_loops - 1
+            n = self.prompt_logprobs.rows_of(m.data, t.token_start, t.num_tokens) * last_loop
+            if n:
                 scored.append((row, t.token_start, m.data, m.segment(t.token_start, n)))
-            if prefill and depth == self.num_loops - 1 and end == len(m.data.prompt_token_ids):
+            if last_loop and end == len(m.data.prompt_token_ids):
                 done_src.append(row + t.num_tokens - 1)
                 done_dst.append(self.states.decode_row(m.slot))
                 m.position = end - 1

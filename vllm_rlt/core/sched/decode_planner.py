@@ -58,10 +58,8 @@ class DecodePlanner:
         prefilling = [r for r in running if r.in_prefill]
         if not decoding or not prefilling:
             return False
-        if not self.fixed_loops(decoding) and not runs:
-            return False
-        if not self.fixed_loops(decoding) and single_loop:
-            return any(
+        if not self.fixed_loops(decoding) and (not runs or single_loop):
+            return runs and any(
                 self.exit_policy.reads_gate(r.decode or DecodeToken(0, 0), r.exit) for r in decoding
             )
         return any(r.prefill_len > limit for r in prefilling) or any(

@@ -243,6 +243,10 @@ class SampledToken:
     logprob: float | None  # its logprob under the raw model distribution (None if not asked)
     top_logprobs: tuple[tuple[int, float], ...]  # (token id, logprob) best first
 
+    def logprobs(self) -> dict[int, float]:
+        """{token id: logprob} of this token and its top alternatives (as outputs report)."""
+        return {self.token_id: self.logprob, **dict(self.top_logprobs)}
+
 
 @dataclass(frozen=True)
 class RunRowResult:

@@ -264,10 +264,10 @@ class Scheduler:
         self.prefix_queries += queried
         self.prefix_hits += found
 
-    def _run(self, decode_tasks) -> DecodeRun | None:
+    def _run(self, decode_tasks, beside: int = 0) -> DecodeRun | None:
         """A device run of the decode tasks, its blocks allocated (None: the step runs them on
-        the host's decisions)."""
-        return self.runs.plan(decode_tasks, self.requests, self.running, self._exits)
+        the host's decisions); `beside`: the loops of the prefill batch it rides."""
+        return self.runs.plan(decode_tasks, self.requests, self.running, self._exits, beside)
 
     def _mixed(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict):
         """A mixed batch: decode rows ride the prefill tasks' invocations. Rows that would run
@@ -285,7 +285,7 @@ class Scheduler:
         decode_tasks = [t for t in decode_tasks if self.requests[t.request_id].status is running]
         if not tasks:  # the placement preempted every prefill task's request
             return self._mixed(decode_tasks, [], samples, admitted)
-        run = self.runs.plan(decode_tasks, self.requests, self.running, self._exits, loops)
+        run = self._run(decode_tasks, loops)
         if run is None:  # the run's blocks do not fit (or victims left one loop): rows wait
             return tasks, loops, None
         return decode_tasks + tasks, loops, run
@@ -466,9 +466,7 @@ class Scheduler:
         req.output_token_ids.append(sampled.token_id)
         req.output_exit_depths.append(req.pending_exit_depths.pop(0))
         if req.sampling_params.logprobs is not None:
-            req.output_logprobs.append(
-                {sampled.token_id: sampled.logprob, **dict(sampled.top_logprobs)}
-            )
+            req.output_logprobs.append(sampled.logprobs())
         params, tok = req.sampling_params, sampled.token_id
         if not params.ignore_eos and tok in req.eos_token_ids or tok in params.stop_token_ids:
             req.stop_reason = tok
