@@ -10,7 +10,7 @@ combinations fail here with a message naming both settings.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
@@ -33,6 +33,10 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "triton_invariant")
 # "auto": skinny on CUDA, torch elsewhere; "invariant" is what batch_invariant runs
 LAYER_KERNELS = ("auto", "torch", "fused", "skinny", "invariant")
+# device runs' length by default (`SchedulerConfig.device_decode_loops`): offline, where every
+# request is there from the start, and in the server (one Ouro token's loops at full depth)
+OFFLINE_RUN_LOOPS = 16
+SERVER_RUN_LOOPS = 4
 
 
 @dataclass(frozen=True)
@@ -194,13 +198,16 @@ class SchedulerConfig:
         "long (default: no limit)",
         default=None,
     )
-    device_decode_loops: int = field_help(
+    device_decode_loops: int | None = field_help(
         "a decode-only step whose tokens exit early (gate or trace) runs up to this many "
         "invocations with exit decisions, sampling and the next token's entry on the device, "
         "with no host work between them (beside a prefill batch: that batch's loops); its "
         "tokens come back together after the step "
-        "(0 or 1: the host decides after every loop that reads a gate)",
-        default=16,
+        "(0 or 1: the host decides after every loop that reads a gate; default: "
+        f"{OFFLINE_RUN_LOOPS} offline, {SERVER_RUN_LOOPS} in the server, where requests arrive "
+        "while a run goes on: streams get their tokens and arrivals their turn about as often "
+        "as at fixed depth)",
+        default=None,
     )
     async_scheduling: bool = field_help(
         "schedule and queue each step before the tokens of the one before are read back, so "
@@ -232,6 +239,12 @@ class SchedulerConfig:
         default=2048,
     )
 
+    @property
+    def run_loops(self) -> int:
+        """`device_decode_loops`, its offline default if unset."""
+        runs = self.device_decode_loops
+        return OFFLINE_RUN_LOOPS if runs is None else runs
+
     def __post_init__(self) -> None:
         check_choices_and_types(self)
         check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
@@ -246,7 +259,7 @@ class SchedulerConfig:
         stall = self.max_prefill_stall_loops
         check(stall is None or stall >= 1, "max_prefill_stall_loops", stall, ">= 1")
         runs = self.device_decode_loops
-        check(runs >= 0, "device_decode_loops", runs, ">= 0")
+        check(runs is None or runs >= 0, "device_decode_loops", runs, ">= 0")
         cap = self.max_prefill_rows_with_decode
         check(cap is None or cap >= 1, "max_prefill_rows_with_decode", cap, ">= 1")
         ride = self.max_prefill_rows_per_decode_token
@@ -359,11 +372,22 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every setting of one engine. `for_server()`: the same with the server's defaults where
+    they differ from offline use."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def for_server(self) -> EngineConfig:
+        """The settings an engine serving arriving requests runs with: `device_decode_loops`,
+        if unset, at its server default."""
+        if self.scheduler.device_decode_loops is not None:
+            return self
+        scheduler = replace(self.scheduler, device_decode_loops=SERVER_RUN_LOOPS)
+        return replace(self, scheduler=scheduler)
 
     def __post_init__(self) -> None:
         if self.scheduler.wavefront_chunked_prefill and self.cache.kv_layout == "shared":

@@ -75,6 +75,25 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_packed(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """`arrays` on `device` through one host buffer and, on CUDA, one copy (a pinned
+    allocation and a copy cost the host more than a small array's bytes): views of it, in
+    order, each of its array's dtype and shape."""
+    sizes = [-(-a.nbytes // 8) * 8 for a in arrays]  # (each view 8-byte aligned)
+    host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    raw, at = host.numpy(), 0
+    for a, size in zip(arrays, sizes, strict=True):
+        raw[at : at + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        at += size
+    packed = host.to(device, non_blocking=True)
+    views, at = [], 0
+    for a, size in zip(arrays, sizes, strict=True):
+        dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
+        views.append(packed[at : at + a.nbytes].view(dtype).view(a.shape))
+        at += size
+    return views
+
+
 def read_back(*tensors: torch.Tensor | None) -> Callable[[], tuple[torch.Tensor | None, ...]]:
     """Start copying `tensors` (None entries pass through) to the host; the returned function
     waits for those copies alone and gives the host tensors."""

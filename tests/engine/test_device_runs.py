@@ -14,9 +14,10 @@ from dataclasses import replace
 import pytest
 
 from tests.engine.harness import Job, compare, kv_all_free, make_engine
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config import OFFLINE_RUN_LOOPS, SERVER_RUN_LOOPS, SchedulerConfig
 from vllm_rlt.core.sched.device_runs import RunPlanner
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
+from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.models.tiny import write_tiny_ouro
 from vllm_rlt.request import DecodeToken, ExitSettings, Request
 from vllm_rlt.sampling_params import SamplingParams
@@ -144,6 +145,41 @@ def test_runs_beside_prefill(model_dir, mode):
         assert kv_all_free(eng)
         assert (runs[2] >= 2) == bool(loops), runs
     _assert_same(eng, jobs, results[16], results[0], exact=True)
+
+
+def test_runs_take_one_tokens_loops_while_a_request_waits_for_a_seat(model_dir):
+    """While a request waits for a seat, a run is no longer than a full-depth token's loops (its
+    admission, and the streams' next tokens, wait no longer than at fixed depth); once nothing
+    waits, runs take up to device_decode_loops invocations."""
+    eng = make_engine(model_dir, max_num_seqs=2, device_decode_loops=16)
+    lengths, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        waiting = bool(eng.scheduler.waiting)
+        batch = schedule()
+        if batch is not None and batch.decode_run is not None:
+            alone = len(batch.requests) == len(batch.decode_run.rows)
+            lengths.append((waiting, batch.loop_count)) if alone else None
+        return batch
+
+    eng.scheduler.schedule = recording
+    params = SamplingParams(max_tokens=30, ignore_eos=True, exit_threshold=0.5, temperature=0)
+    _run(eng, [Job(f"j{i}", [3 + i] * 9, params) for i in range(5)])
+    assert kv_all_free(eng)
+    assert any(w for w, _ in lengths) and all(n <= eng.num_loops for w, n in lengths if w)
+    assert max(n for w, n in lengths if not w) > eng.num_loops, lengths
+
+
+def test_the_server_runs_shorter_runs_by_default(model_dir):
+    """Offline, runs take up to OFFLINE_RUN_LOOPS invocations; an engine serving arrivals
+    (AsyncLLMEngine, `vllm-rlt serve`) up to SERVER_RUN_LOOPS; a value given is kept."""
+    kw = {"num_kv_blocks": 256, "block_size": 4, "dtype": "float32"}
+    assert make_engine(model_dir).scheduler.runs.max_loops == OFFLINE_RUN_LOOPS
+    served = AsyncLLMEngine.from_kwargs(str(model_dir), **kw).engine
+    assert served.scheduler.runs.max_loops == SERVER_RUN_LOOPS < OFFLINE_RUN_LOOPS
+    served = AsyncLLMEngine.from_kwargs(str(model_dir), device_decode_loops=9, **kw).engine
+    assert served.scheduler.runs.max_loops == 9
+    assert "device runs of up to 9 invocations" in served.settings_summary()
 
 
 def test_preemption_and_prefix_hits(model_dir):
@@ -274,6 +310,8 @@ def test_samples_only_where_a_token_may_have_exited():
     # a fixed-depth row beside a gated one samples at its depth's multiples only
     fixed = _sample_at(planner, _decoding(1, 4, 1.0, 0), 9)
     assert fixed == tuple(i in (4, 8) for i in range(10))
+    # min_loops 1: any invocation may end a token
+    assert _sample_at(planner, _decoding(1, 3, 0.6, 2), 6) == (False, *[True] * 6)
 
 
 def test_traced_rows_sample_where_their_tokens_exit():

@@ -120,7 +120,7 @@ class AsyncLLMEngine:
     @classmethod
     def from_kwargs(cls, model: str | None = None, *, max_waiting_requests=None, **engine_args):
         config = EngineConfig.from_kwargs(model=model, **engine_args)
-        return cls(LLMEngine(config), max_waiting_requests=max_waiting_requests)
+        return cls(LLMEngine(config.for_server()), max_waiting_requests=max_waiting_requests)
 
     @property
     def is_healthy(self) -> bool:

@@ -96,10 +96,10 @@ class LLMEngine:
         windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
         # device runs: only for decode rows whose prelude and coda attend nothing
         run_state = None
-        if sc.device_decode_loops > 1 and not self.model.num_edge_planes:
+        if sc.run_loops > 1 and not self.model.num_edge_planes:
             blocks = -(-(mc.max_model_len or c.max_position_embeddings) // cc.block_size)
             run_state = RunState(
-                sc.max_num_seqs, sc.device_decode_loops, weight.shape[0], num_planes, blocks,
+                sc.max_num_seqs, sc.run_loops, weight.shape[0], num_planes, blocks,
                 self.model.state_size, weight.dtype, weight.device,
             )  # fmt: skip
         tile_rows = tile_rows_for(planner.task_rows)

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> NoReturn:
     sock = bind(args.host, args.port)
     try:  # bad settings or model files (weights, tokenizer, chat template): one line, no traceback
         config = EngineConfig.from_kwargs(model=args.model, **cli_args.engine_kwargs(args))
+        config = config.for_server()
         disagg = DisaggConfig(**cli_args.config_kwargs(args, [DisaggConfig]))
         # engine processes behind a router, which the app serves alike
         limit = args.max_waiting_requests

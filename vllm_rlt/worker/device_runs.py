@@ -264,11 +264,21 @@ class RunRows:
 
 
 def _results(copied, wants: list[int]) -> tuple[RunRowResult, ...]:
-    """Each row's tokens (phases where it sampled) and final state, from the read-back."""
-    tokens, sampled, depths, logprobs, logprob_ids, loops, remaining, exit_at, ready = copied
+    """Each row's tokens (phases where it sampled) and final state, from the read-back (as numpy
+    arrays: per-row tensor indexing would cost the host a millisecond for 32 rows, while the GPU
+    waits for the next plan)."""
+    tokens, sampled, depths, logprobs, logprob_ids, loops, remaining, exit_at, ready = (
+        None if t is None else t.numpy() for t in copied
+    )
+    loops, remaining, exit_at, ready = (
+        loops.tolist(),
+        remaining.tolist(),
+        exit_at.tolist(),
+        ready.tolist(),
+    )
     results = []
     for r, want in enumerate(wants):
-        phases = np.flatnonzero(sampled[:, r].numpy())
+        phases = np.flatnonzero(sampled[:, r])
         ids = tokens[phases, r].tolist()
         lps = None if logprobs is None else logprobs[phases, r].tolist()
         lp_ids = None if logprob_ids is None else logprob_ids[phases, r].tolist()
@@ -276,10 +286,10 @@ def _results(copied, wants: list[int]) -> tuple[RunRowResult, ...]:
         results.append(
             RunRowResult(
                 sampled=tuple(zip(toks, depths[phases, r].tolist(), strict=True)),
-                loops_done=int(loops[r]),
-                remaining=float(remaining[r]),
-                exit_at=int(exit_at[r]),
-                ready=bool(ready[r]),
+                loops_done=loops[r],
+                remaining=remaining[r],
+                exit_at=exit_at[r],
+                ready=ready[r],
             )
         )
     return tuple(results)

@@ -6,15 +6,15 @@ other per-request buffers, before the KV cache is sized."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
 from vllm_rlt.core.sched.execution_batch import DecodeRun
-from vllm_rlt.tensor_utils import to_device
-from vllm_rlt.worker.sampler import SamplerOutput, SamplingTensors
+from vllm_rlt.tensor_utils import to_device_packed
+from vllm_rlt.worker.sampler import SamplerOutput, SamplingTensors, shortcuts
+
+_CARRIED_INTS = 3  # the integer fields every run loads (top-k, seed, the trace's base)
+_INTS = 12  # and those a fresh run loads after them
 
 
 class RunState:
@@ -28,21 +28,24 @@ class RunState:
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        # per row: its request's slot and decode row, its token's state, its settings
-        self.slots, self.state_rows = zeros(s), zeros(s)
-        self.loops, self.exit_at, self.position, self.count = zeros(s), zeros(s), zeros(s), zeros(s)
-        self.base, self.max_count, self.min_loops, self.max_loops = (zeros(s) for _ in range(4))
-        self.remaining, self.threshold = (
-            zeros(s, dtype=torch.float64),
-            zeros(s, dtype=torch.float64),
-        )
-        self.ready, self.done = zeros(s, dtype=torch.bool), zeros(s, dtype=torch.bool)
-        self.exited = zeros(s, dtype=torch.bool)  # its token exited in the last invocation
+        # per row, one buffer per kind, so that a load is few copies: integers
+        # (the sampler's top-k and seed and the trace's base, which every run loads; then its
+        # slot and decode row, its token's state and its settings, which a fresh run loads),
+        # float32 sampling settings, the exit rule's float64 state, flags
+        self._ints = zeros(_INTS, s)
+        (self.top_k, self.seeds, self.base, self.slots, self.state_rows, self.loops,
+         self.exit_at, self.position, self.count, self.max_count, self.min_loops,
+         self.max_loops) = self._ints  # fmt: skip
+        self._f32 = zeros(2, s, dtype=torch.float32)
+        self.temperature, self.top_p = self._f32
+        self._f64 = zeros(2, s, dtype=torch.float64)
+        self.remaining, self.threshold = self._f64
+        self._flags = zeros(3, s, dtype=torch.bool)
+        # ready: exited, waiting for the coda; exited: its token exited in the last invocation
+        self.ready, self.done, self.exited = self._flags
         self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
         # trace mode: exit loops of the tokens it starts, in order (of a run and its carry)
         self.trace = zeros(s, 2 * t)
-        self.temperature, self.top_p = zeros(s, dtype=torch.float32), zeros(s, dtype=torch.float32)
-        self.top_k, self.seeds = zeros(s), zeros(s)
         # block tables of every plane, and the invocation's attention tables
         self.tables = zeros(s, num_planes, max_blocks)
         self.width = 1  # blocks per plane the loaded run's tables hold
@@ -60,14 +63,17 @@ class RunState:
     def load(self, run: DecodeRun, mirrors, states, padded: int) -> SamplingTensors:
         """Load the run's rows (`mirrors`: RunMirror per row, `states`: the HiddenStateStore)
         into the first R rows (a carried run: only what it changes), and idle rows after them
-        up to `padded` rows; returns the sampling tensors of all of them, views of the
-        buffers."""
+        up to `padded` rows (sampling as the first row); returns the sampling tensors of all of
+        them, views of the buffers. Every value crosses in one upload: the host's time here is
+        the GPU's idle time when a run follows a read-back."""
         rows, r = run.rows, len(run.rows)
-        if not run.carried:
-            self._load_states(run, mirrors, states)
-            self._idle(r, padded)
-        self.phase.zero_()
-        self.base[:r].copy_(to_device([x.num_sampled for x in rows], torch.int64, self.device))
+        params = [m.params for m in mirrors]
+        params += params[:1] * (padded - r)
+        ints = np.zeros((_CARRIED_INTS if run.carried else _INTS, padded), dtype=np.int64)
+        ints[0] = [p.top_k for p in params]
+        ints[1] = [p.seed for p in params]
+        ints[2, :r] = [x.num_sampled for x in rows]  # the trace's base
+        f32 = np.array([[p.temperature for p in params], [p.top_p for p in params]], np.float32)
         # the blocks of the positions the runs may reach (all the rows' blocks)
         planes = self.tables.shape[1]
         width = min(max(len(t) for m in mirrors for t in m.block_tables[:planes]),
@@ -77,24 +83,50 @@ class RunState:
             for p in range(planes):
                 table = m.block_tables[p][:width]
                 tables[i, p, : len(table)] = table
-        self.tables[:r, :, :width].copy_(to_device(tables, torch.int64, self.device))
+        trace = np.zeros((r, max(len(x.trace) for x in rows)), dtype=np.int64)
+        for i, x in enumerate(rows):
+            trace[i, : len(x.trace)] = x.trace
+        arrays = [ints, f32, tables, trace]
+        if not run.carried:  # idle rows: stopped, at position 0, slot and state row 0
+            ints[_CARRIED_INTS:, :r] = np.array([
+                (m.slot, states.decode_row(m.slot), x.loops_done, x.exit_at, x.position,
+                 x.num_sampled, x.max_tokens, x.min_loops, x.max_loops)
+                for m, x in zip(mirrors, rows, strict=True)
+            ], dtype=np.int64).T  # fmt: skip
+            f64 = np.zeros((2, padded))
+            f64[:, :r] = [[x.remaining for x in rows], [x.threshold for x in rows]]
+            flags = np.zeros((3, padded), dtype=bool)
+            flags[1, r:] = True  # done
+            stops = [(i, t) for i, x in enumerate(rows) for t in x.stop_token_ids]
+            arrays += [f64, flags, np.array(stops, dtype=np.int64).reshape(-1, 2)]
+        ints, f32, tables, trace, *fresh = to_device_packed(arrays, self.device)
+        self._ints[: len(ints), :padded].copy_(ints)
+        self._f32[:, :padded].copy_(f32)
+        self.tables[:r, :, :width].copy_(tables)
         self.width = width
-        traces = max(len(x.trace) for x in rows)
-        if traces:
-            trace = np.zeros((r, traces), dtype=np.int64)
-            for i, x in enumerate(rows):
-                trace[i, : len(x.trace)] = x.trace
-            self.trace[:r, :traces].copy_(to_device(trace, torch.int64, self.device))
-        params = [m.params for m in mirrors]
-        return self._sampling(params + params[:1] * (padded - r))
+        if trace.shape[1]:
+            self.trace[:r, : trace.shape[1]].copy_(trace)
+        if fresh:
+            f64, flags, stops = fresh
+            self._f64[:, :padded].copy_(f64)
+            self._flags[:, :padded].copy_(flags)
+            self.stop_mask[:r] = False
+            if len(stops):
+                self.stop_mask[stops[:, 0], stops[:, 1]] = True
+        self.phase.zero_()
+        num_logprobs = max(p.num_logprobs for p in params)
+        return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
 
     def idle(self, rows: int) -> SamplingTensors:
         """The first `rows` rows idle (stopped: they run no loop and take no token), with greedy
         sampling tensors: a run's functions over them change nothing but the scratch block."""
         self._idle(0, rows)
         self.phase.zero_()
-        greedy = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, num_logprobs=-1)
-        return self._sampling([greedy] * rows)
+        self._ints[:2, :rows] = 0  # top-k, seed
+        self._f32[0, :rows] = 0.0  # greedy
+        self._f32[1, :rows] = 1.0
+        zeros = np.zeros(rows, dtype=np.float32)
+        return self._sampling(zeros.astype(np.int64), zeros, zeros + 1, -1)
 
     def _idle(self, start: int, end: int) -> None:
         """Rows [start, end) stopped, their state rows and slots valid indices, at position 0
@@ -106,48 +138,21 @@ class RunState:
         self.state_rows[start:end] = 0
         self.slots[start:end] = 0
 
-    def _load_states(self, run: DecodeRun, mirrors, states) -> None:
-        """The rows' token states, counts, settings and stop tokens."""
-        rows, r = run.rows, len(run.rows)
-        ints = np.array([
-            (m.slot, states.decode_row(m.slot), row.loops_done, row.exit_at, row.position,
-             row.num_sampled, row.max_tokens, row.min_loops, row.max_loops)
-            for m, row in zip(mirrors, rows, strict=True)
-        ], dtype=np.int64).T  # fmt: skip
-        dev = to_device(ints, torch.int64, self.device)
-        targets = (
-            self.slots, self.state_rows, self.loops, self.exit_at, self.position, self.count,
-            self.max_count, self.min_loops, self.max_loops,
-        )  # fmt: skip
-        for target, values in zip(targets, dev, strict=True):
-            target[:r].copy_(values)
-        floats = to_device([[x.remaining for x in rows], [x.threshold for x in rows]],
-                           torch.float64, self.device)  # fmt: skip
-        self.remaining[:r].copy_(floats[0])
-        self.threshold[:r].copy_(floats[1])
-        self.ready[:r] = False
-        self.done[:r] = False
-        stops = [(i, t) for i, x in enumerate(rows) for t in x.stop_token_ids]
-        self.stop_mask[:r] = False
-        if stops:
-            index = to_device(stops, torch.int64, self.device)
-            self.stop_mask[index[:, 0], index[:, 1]] = True
-
-    def _sampling(self, params: list) -> SamplingTensors:
-        r = len(params)
-        t = SamplingTensors.of(params, [0] * r, max(p.num_logprobs for p in params), self.device)
-        for target, values in ((self.temperature, t.temperature), (self.top_k, t.top_k),
-                               (self.top_p, t.top_p), (self.seeds, t.seeds)):  # fmt: skip
-            target[:r].copy_(values)
-        if t.num_logprobs >= 0 and t.num_logprobs not in self._logprobs:
-            shape = (*self.tokens.shape, 1 + t.num_logprobs)
-            self._logprobs[t.num_logprobs] = (
+    def _sampling(self, top_k, temperature, top_p, num_logprobs: int) -> SamplingTensors:
+        """The sampling tensors over the loaded buffers (host copies of the settings, float32
+        as on the device: the shortcut flags cost no device sync)."""
+        r = len(top_k)
+        all_greedy, any_cut = shortcuts(top_k=top_k, temperature=temperature, top_p=top_p)
+        if num_logprobs >= 0 and num_logprobs not in self._logprobs:
+            shape = (*self.tokens.shape, 1 + num_logprobs)
+            self._logprobs[num_logprobs] = (
                 torch.zeros(shape, dtype=torch.float32, device=self.device),
                 torch.zeros(shape, dtype=torch.int64, device=self.device),
             )
-        return replace(
-            t, temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
-            seeds=self.seeds[:r], counters=self.count[:r],
+        return SamplingTensors(
+            temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
+            seeds=self.seeds[:r], counters=self.count[:r], num_logprobs=num_logprobs,
+            all_greedy=all_greedy, any_top_k_top_p=any_cut,
         )  # fmt: skip
 
     def record_logprobs(self, r: int, out: SamplerOutput) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS, samples_greedily
-from vllm_rlt.tensor_utils import counter_uniform, to_device
+from vllm_rlt.tensor_utils import counter_uniform, to_device_packed
 
 
 @dataclass(frozen=True)
@@ -40,24 +41,24 @@ class SamplingTensors:
         num_logprobs: int,
         device: torch.device | str,
     ) -> SamplingTensors:
-        """One tensor per field from per-row lists (row i of every list is row i of the logits).
-
-        The tensors are made on the host first, so the shortcut flags cost no device sync.
-        """
-        temperature_t = torch.tensor(temperature, dtype=torch.float32)
-        top_k_t = torch.tensor(top_k, dtype=torch.int64)
-        top_p_t = torch.tensor(top_p, dtype=torch.float32)
-        greedy = (temperature_t < GREEDY_TEMPERATURE_EPS) | (top_k_t == 1)
-        device = torch.device(device)
+        """One tensor per field from per-row lists (row i of every list is row i of the logits),
+        uploaded together."""
+        host = [np.asarray(temperature, np.float32), np.asarray(top_k, np.int64),
+                np.asarray(top_p, np.float32), np.asarray(seeds, np.int64),
+                np.asarray(counters, np.int64)]  # fmt: skip
+        all_greedy, any_cut = shortcuts(host[0], host[1], host[2])
+        temperature_t, top_k_t, top_p_t, seeds_t, counters_t = to_device_packed(
+            host, torch.device(device)
+        )
         return cls(
-            temperature=to_device(temperature_t, torch.float32, device),
-            top_k=to_device(top_k_t, torch.int64, device),
-            top_p=to_device(top_p_t, torch.float32, device),
-            seeds=to_device(seeds, torch.int64, device),
-            counters=to_device(counters, torch.int64, device),
+            temperature=temperature_t,
+            top_k=top_k_t,
+            top_p=top_p_t,
+            seeds=seeds_t,
+            counters=counters_t,
             num_logprobs=num_logprobs,
-            all_greedy=bool(greedy.all()),
-            any_top_k_top_p=bool((((top_k_t > 0) | (top_p_t < 1.0)) & ~greedy).any()),
+            all_greedy=all_greedy,
+            any_top_k_top_p=any_cut,
         )
 
     @classmethod
@@ -97,6 +98,14 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         return SamplerOutput(token_ids, None, None)
     logprobs, logprob_token_ids = token_logprobs(logits, token_ids, t.num_logprobs)
     return SamplerOutput(token_ids, logprobs, logprob_token_ids)
+
+
+def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> tuple[bool, bool]:
+    """(every row takes the argmax, some random row cuts with top-k or top-p) from host copies
+    of the settings (temperature and top-p in float32, as on the device): flags that let the
+    sampler skip work without a device sync."""
+    greedy = (temperature < GREEDY_TEMPERATURE_EPS) | (top_k == 1)
+    return bool(greedy.all()), bool((((top_k > 0) | (top_p < 1.0)) & ~greedy).any())
 
 
 def all_greedy(params) -> bool:

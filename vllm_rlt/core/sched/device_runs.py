@@ -7,10 +7,10 @@ and for how many invocations, and reserves the KV blocks every token they may pr
 A run is planned over a step's decode rows with no speculative window, when some decoding
 token's exit depends on its gate or varies (fixed-depth decoding already runs all its loops per
 step, R1) and the blocks fit without preempting anyone. Alone in its batch, its length is
-`device_decode_loops` (one token's loops while a prompt waits for its prefill turn, R7), at most
-`max_prefill_stall_loops` (R4: arrivals wait at most that many loops), and no longer than the
-rows' longest remaining work (`max_tokens`). Beside prefill tasks (mixed scheduling), it runs
-the prefill batch's loops (R2-R6), its rows riding those invocations.
+`device_decode_loops` (one token's loops while a request waits for a seat or a prompt for its
+prefill turn), at most `max_prefill_stall_loops` (R4: arrivals wait at most that many loops),
+and no longer than the rows' longest remaining work (`max_tokens`). Beside prefill tasks (mixed
+scheduling), it runs the prefill batch's loops (R2-R6), its rows riding those invocations.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class RunPlanner:
     ):
         """`supported`: the model's decode rows can run so (its prelude and coda need no
         attention)."""
-        self.max_loops = config.device_decode_loops
+        self.max_loops = config.run_loops
         if config.max_prefill_stall_loops is not None:  # R4
             self.max_loops = min(self.max_loops, config.max_prefill_stall_loops)
         self.enabled = supported and self.max_loops > 1 and config.scheduling_mode != "no_refill"
@@ -63,16 +63,17 @@ class RunPlanner:
         running: list[Request],
         exits: list[tuple[str, int, int]],
         beside: int = 0,
+        waiting: bool = False,
     ) -> DecodeRun | None:
         """A run over the decode `tasks` (planned by DecodePlanner), or None when the step runs
         as before: not `wanted`, or blocks that do not fit. `beside`: the loops of the prefill
-        batch it rides (0: a batch of the run alone). Allocates the run's blocks (`exits`: the
-        skipped-depth copies the step applies first)."""
+        batch it rides (0: a batch of the run alone); `waiting`: a request waits for a seat.
+        Allocates the run's blocks (`exits`: the skipped-depth copies the step applies
+        first)."""
         if not self.wanted(tasks, requests):
             return None
         reqs = [requests[t.request_id] for t in tasks]
-        # a prompt waiting for its prefill turn (R7) waits one token's loops at most
-        longest = self.num_loops if any(r.in_prefill for r in running) else self.max_loops
+        longest = self._longest(running, waiting)
         loops = beside or min(longest, max(self._work(r) for r in reqs))
         if loops < 2:
             return None
@@ -102,7 +103,7 @@ class RunPlanner:
             self._may_end(r, row, samples) for r, row in zip(reqs, flight.rows, strict=True)
         ):
             return None
-        loops = min(self.max_loops, max(self._work(r) for r in reqs) - before)
+        loops = min(self._longest(running, waiting), max(self._work(r) for r in reqs) - before)
         if loops < 2:
             return None
         if not self._reserve(reqs, before + loops, []):
@@ -110,6 +111,15 @@ class RunPlanner:
         rows = tuple(self._row(r, before + loops) for r in reqs)
         reach = self._sample_at(reqs, rows, before + loops)
         return DecodeRun(self.exit_policy.name, rows, (False, *reach[before + 1 :]), carried=True)
+
+    def _longest(self, running: list[Request], waiting: bool) -> int:
+        """How many invocations a run alone may take: `device_decode_loops`, but one token's
+        loops at full depth while a request waits for a seat or a prompt for its prefill turn
+        (R7): an arrival then waits no longer for its admission, nor a stream for its next
+        tokens, than at fixed depth."""
+        if waiting or any(r.in_prefill for r in running):
+            return self.num_loops
+        return self.max_loops
 
     @staticmethod
     def _may_end(req: Request, row: RunRow, samples: int) -> bool:
@@ -172,6 +182,8 @@ class RunPlanner:
         for req, row in zip(reqs, rows, strict=True):
             for at in self._exits_at(req, row, loops):
                 may[at] = True
+            if all(may[1:]):  # (no token exits before the first invocation)
+                break
         return tuple(may)
 
     def _exits_at(self, req: Request, row: RunRow, loops: int) -> set[int]:
@@ -188,6 +200,8 @@ class RunPlanner:
         fixed = self.exit_policy.fixed_loops(settings) is not None
         shortest = settings.max_loops if fixed else settings.min_loops
         first = range(max(shortest, done + 1), settings.max_loops + 1)
+        if shortest == 1 and first:  # every invocation from the first exit on
+            return set(range(first[0] - done, loops + 1))
         frontier, reached = [n - done for n in first], set()
         while frontier:
             at = frontier.pop()

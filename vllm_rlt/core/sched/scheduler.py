@@ -267,7 +267,9 @@ class Scheduler:
     def _run(self, decode_tasks, beside: int = 0) -> DecodeRun | None:
         """A device run of the decode tasks, its blocks allocated (None: the step runs them on
         the host's decisions); `beside`: the loops of the prefill batch it rides."""
-        return self.runs.plan(decode_tasks, self.requests, self.running, self._exits, beside)
+        return self.runs.plan(
+            decode_tasks, self.requests, self.running, self._exits, beside, bool(self.waiting)
+        )
 
     def _mixed(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict):
         """A mixed batch: decode rows ride the prefill tasks' invocations. Rows that would run
