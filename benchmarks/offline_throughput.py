@@ -51,6 +51,7 @@ def bench(args, concurrency: int, model_dir: Path) -> dict:
             scheduling_mode=args.scheduling_mode,
             exit_threshold=1.0,
             kv_cache_memory_gb=args.kv_cache_gb,
+            kv_cache_dtype=args.kv_cache_dtype,
             enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
         )
@@ -131,6 +132,7 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--scheduling-mode", default="mixed")
     p.add_argument("--kv-cache-gb", type=float, default=40.0)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
     p.add_argument("--profile-steps", type=int, default=40)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager runner)")
     add_async_scheduling_flag(p)

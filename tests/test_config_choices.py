@@ -16,6 +16,7 @@ EXPECTED = {
     "attention_backend": config.ATTENTION_BACKENDS,
     "layer_kernels": config.LAYER_KERNELS,
     "kv_layout": config.KV_LAYOUTS,
+    "kv_cache_dtype": config.KV_CACHE_DTYPES,
     "scheduling_mode": config.SCHEDULING_MODES,
     "queue_policy": config.QUEUE_POLICIES,
     "exit_mode": config.EXIT_MODES,
@@ -48,12 +49,14 @@ def test_a_value_outside_the_choices_fails_naming_the_setting(name):
 
 def test_the_implementations_accept_exactly_the_choices():
     from vllm_rlt.attention.backend import _BACKENDS
+    from vllm_rlt.engine.kv_sizing import KV_DTYPES
     from vllm_rlt.models.layer_kernels import _STRATEGIES
     from vllm_rlt.models.loader import DTYPES
 
     assert {"auto", *_BACKENDS} == set(config.ATTENTION_BACKENDS)
     assert {"auto", *_STRATEGIES} == set(config.LAYER_KERNELS)
     assert {"auto", *DTYPES} == set(config.DTYPE_NAMES)
+    assert {"auto", *KV_DTYPES} == set(config.KV_CACHE_DTYPES)
 
 
 def test_every_setting_without_a_default_value_says_what_unset_means():

@@ -27,6 +27,7 @@ class KVLayout(str, Enum):
 
 KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 QUEUE_POLICIES = ("fcfs", "priority")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 is e4m3 (vLLM's names)
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # "triton_invariant" is what batch_invariant runs
@@ -131,6 +132,13 @@ class CacheConfig:
         "last_exited: one KV plane per depth, exits copy into skipped planes; shared: one plane",
         choices=KV_LAYOUTS,
         default="last_exited",
+    )
+    kv_cache_dtype: str = field_help(
+        "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a K and a V scale "
+        "per layer, from the checkpoint's k_scale / v_scale tensors, else 1.0): half the bytes "
+        "of bf16 per position; see docs/design/kv-cache.md",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
     )
     num_kv_blocks: int | None = field_help(
         "KV blocks (all planes share them); default: from kv_cache_memory_gb", default=None

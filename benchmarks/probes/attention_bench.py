@@ -34,6 +34,7 @@ from vllm_rlt.attention.triton_backend import TritonAttentionBackend
 from vllm_rlt.kernels import attention_splits as attn_splits
 from vllm_rlt.kernels import paged_attention as pa
 from vllm_rlt.kernels.device_info import sm_count
+from vllm_rlt.kernels.kv_format import KVLayer
 
 HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 128, 16, torch.bfloat16
 POOL_BLOCKS = 64 * 8192 // BLOCK_SIZE + 64  # enough for 64 rows at 8K
@@ -101,8 +102,8 @@ class Bench:
         return {"graph_us": replay_us, "eager_us": eager_ms * 1e3, "sets": len(calls)}
 
     def attention(self, sets, eager: bool = True, **kw) -> dict:
-        kc, vc = self.k_cache, self.v_cache
-        calls = [lambda m=m, q=q: pa.paged_attention(q, kc, vc, m, **kw) for m, q, _, _ in sets]
+        cache = KVLayer(self.k_cache, self.v_cache)
+        calls = [lambda m=m, q=q: pa.paged_attention(q, cache, m, **kw) for m, q, _, _ in sets]
         return self._time(calls, eager)
 
     def forward(self, sets) -> dict:

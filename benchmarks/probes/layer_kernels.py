@@ -1,8 +1,9 @@
 """GPU time and kernel count of one recurrent-core invocation under each layer-kernel strategy.
 
 The Ouro-1.4B shape (24 layers, hidden 2048, 16 x 128 heads, MLP 5632) with dummy bf16 weights and
-the Triton attention backend runs one loop over R decode rows (R in --rows), each row its own
-sequence at position --context - 1 with that much KV (block size 16, fragmented block tables);
+the Triton attention backend (over a bf16 or, with `--kv-cache-dtype fp8`, an FP8 KV cache) runs
+one loop over R decode rows (R in --rows), each row its own sequence at position --context - 1
+with that much KV (block size 16, fragmented block tables);
 with --chunk C, R / C sequences each run a prefill chunk of C rows ending at that position.
 For each layer path in --paths (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs;
 `fused`: fused [q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`;
@@ -41,6 +42,7 @@ import triton
 from benchmarks.model_shapes import write_shape
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.benchmarks.metrics import device_time_by_name
+from vllm_rlt.kernels.kv_format import FP8, KVLayer
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16
@@ -48,15 +50,16 @@ PATHS = ("torch", "fused", "skinny")
 
 
 class LayerKV:
-    """K and V of every layer: [num_layers, 2, num_blocks, block_size, Hkv, d], random bf16."""
+    """K and V of every layer: [num_layers, 2, num_blocks, block_size, Hkv, d], random values
+    stored in `dtype` (bf16, or FP8 at scale 1)."""
 
-    def __init__(self, config, num_blocks: int):
+    def __init__(self, config, num_blocks: int, dtype: torch.dtype = torch.bfloat16):
         shape = (config.num_hidden_layers, 2, num_blocks, BLOCK_SIZE)
         shape += (config.num_key_value_heads, config.head_dim)
-        self.kv = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.kv = torch.randn(shape, device="cuda").to(dtype)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[index, 0], self.kv[index, 1]
+    def layer(self, index: int) -> KVLayer:
+        return KVLayer(self.kv[index, 0], self.kv[index, 1])
 
 
 def make_case(model, rows: int, context: int, kv: LayerKV, seed: int, chunk: int = 1):
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=512, help="KV positions per row")
     parser.add_argument("--chunk", type=int, default=1, help="rows per sequence (1: decode)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--out", type=Path, help="write the JSON results here")
     args = parser.parse_args(argv)
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
     bandwidth = copy_gbps()
     num_blocks = max(args.rows) // args.chunk * triton.cdiv(args.context, BLOCK_SIZE) + 64
-    kv = LayerKV(loaded.config, num_blocks)
+    kv = LayerKV(loaded.config, num_blocks, FP8 if args.kv_cache_dtype == "fp8" else torch.bfloat16)
     results = []
     for rows in args.rows:
         hidden, meta = make_case(model, rows, args.context, kv, rows, args.chunk)
@@ -200,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
             "triton": triton.__version__,
         },
         "model": "ouro-1.4b shape, dummy weights, bf16, triton attention",
+        "kv_cache_dtype": args.kv_cache_dtype,
         "layer_weight_bytes": layer_bytes,
         "copy_GBps": bandwidth,
         "weight_floor_ms": layer_bytes / bandwidth / 1e6,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vllm_rlt.attention.metadata import build_attention_metadata
+from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.kernels.paged_attention import INVARIANT_TILE_ROWS, paged_attention
 
 BLOCK = 16
@@ -43,7 +44,7 @@ class _Setup:
             [self.tables[r] for r, _, _ in segments], BLOCK, self.device, INVARIANT_TILE_ROWS,
         )  # fmt: skip
         q = torch.cat([self.q[r, s : s + n] for r, s, n in segments])
-        out = paged_attention(q, self.k, self.v, meta, invariant=True)
+        out = paged_attention(q, KVLayer(self.k, self.v), meta, invariant=True)
         return list(out.split([n for *_, n in segments]))
 
 
@@ -69,4 +70,4 @@ def test_invariant_launch_refuses_taller_tiles():
     s = _Setup("cpu", torch.float32, 200, (2, 2, 16), num_requests=1)
     meta = build_attention_metadata([0], [130], [s.tables[0]], BLOCK, "cpu", 128)
     with pytest.raises(ValueError, match="at most 64 rows"):
-        paged_attention(s.q[0, :130], s.k, s.v, meta, invariant=True)
+        paged_attention(s.q[0, :130], KVLayer(s.k, s.v), meta, invariant=True)

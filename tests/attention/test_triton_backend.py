@@ -22,6 +22,7 @@ from vllm_rlt.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from vllm_rlt.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from vllm_rlt.kernels import attention_splits as splits  # noqa: E402
 from vllm_rlt.kernels import paged_attention as pa  # noqa: E402
+from vllm_rlt.kernels.kv_format import KVLayer  # noqa: E402
 from vllm_rlt.kernels.paged_attention import (  # noqa: E402
     DECODE_CONFIG,
     FINE_DECODE_CONFIG,
@@ -100,15 +101,16 @@ def _check(
     q, k, v, k_cache, v_cache, meta = case
     assert isinstance(meta, AttentionMetadata)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    expected = TorchAttentionBackend().forward(q, k, v, ref_k, ref_v, meta)
+    expected = TorchAttentionBackend().forward(q, k, v, KVLayer(ref_k, ref_v), meta)
     if kernel_kwargs:
-        TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta)  # writes the KV
+        TritonAttentionBackend().forward(q, k, v, KVLayer(k_cache, v_cache), meta)  # writes the KV
         out = torch.full_like(q, float("nan"))
         got = paged_attention(
-            q, k_cache, v_cache, meta, num_splits=num_splits, out=out, **kernel_kwargs
+            q, KVLayer(k_cache, v_cache), meta, num_splits=num_splits, out=out, **kernel_kwargs
         )
     else:
-        got = TritonAttentionBackend(num_splits=num_splits).forward(q, k, v, k_cache, v_cache, meta)
+        cache = KVLayer(k_cache, v_cache)
+        got = TritonAttentionBackend(num_splits=num_splits).forward(q, k, v, cache, meta)
     # KV write: identical caches (stale NaN slots included), and the written slots hold k, v.
     torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
@@ -121,7 +123,7 @@ def _check(
 def _check_kv_write(case: tuple) -> None:
     q, k, v, k_cache, v_cache, meta = case
     before_k, before_v = k_cache.clone(), v_cache.clone()
-    TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta)
+    TritonAttentionBackend().forward(q, k, v, KVLayer(k_cache, v_cache), meta)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     slots = meta.slot_mapping
@@ -224,12 +226,13 @@ def test_zero_row_tiles_change_nothing(num_splits: int) -> None:
 def test_zero_row_tile_writes_nothing() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, k_cache, v_cache, meta = _make_case(MIXED, 4, 2, 16, 4, torch.float32, device, 13)
-    expected = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta)  # writes the KV
+    # writes the KV
+    expected = TorchAttentionBackend().forward(q, k, v, KVLayer(k_cache, v_cache), meta)
     num_rows = meta.tile_num_rows.clone()
     num_rows[0] = 0  # tile 0: rows 0-15 of the 37-row chunk
     out = torch.full_like(q, float("nan"))
     paged_attention(
-        q, k_cache, v_cache, replace(meta, tile_num_rows=num_rows), num_splits=1, out=out
+        q, KVLayer(k_cache, v_cache), replace(meta, tile_num_rows=num_rows), num_splits=1, out=out
     )
     assert torch.isnan(out[:16]).all()
     assert _rel_err(out[16:], expected[16:]) <= FP32_TOL

@@ -1,10 +1,10 @@
 """Prefill/decode disaggregation, 1 prefill + 1 decode process over gloo, fp32: random
 workloads (staggered arrivals, prompts 1-300, chunks 1-64, atomic / split / WCPB on the
-prefill side, early exit on and off) give every request the tokens and exit depths a single
-engine gives; no block leaks on either side; a multi-chunk prompt's first chunk reaches the
-decode engine before the prefill engine has finished the prompt; a prompt the decode engine
-has seen is transferred without the blocks its prefix cache holds. The workloads are the WCPB
-suite's (`tests/engine/test_wcpb.py`)."""
+prefill side, early exit on and off, an FP8 KV cache or not) give every request the tokens
+and exit depths a single engine gives; no block leaks on either side; a multi-chunk prompt's
+first chunk reaches the decode engine before the prefill engine has finished the prompt; a
+prompt the decode engine has seen is transferred without the blocks its prefix cache holds.
+The workloads are the WCPB suite's (`tests/engine/test_wcpb.py`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ MODES = {
     "atomic": {"scheduling_mode": "refill"},
     "split": {"scheduling_mode": "mixed"},
     "wcpb": {"scheduling_mode": "mixed", "wavefront_chunked_prefill": True},
+    # an FP8 KV cache on both sides: its bytes cross unchanged
+    "wcpb_fp8": {
+        "scheduling_mode": "mixed",
+        "wavefront_chunked_prefill": True,
+        "kv_cache_dtype": "fp8",
+    },
 }
 ARRIVAL_GAP_S = 0.02  # seconds per arrival step
 TIMEOUT_S = 120  # a run that takes longer fails (nothing may hang)
@@ -66,6 +72,7 @@ async def run_pd(router: FrontEnd, jobs: list[Job]) -> dict[str, tuple]:
         *((mode, "cpu") for mode in MODES),
         # one GPU: both engines on it, the KV through host memory over gloo
         pytest.param("wcpb", "cuda", marks=pytest.mark.gpu),
+        pytest.param("wcpb_fp8", "cuda", marks=pytest.mark.gpu),
     ],
 )
 def test_pd_equals_single_engine(model_dir, mode, device):

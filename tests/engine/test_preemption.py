@@ -69,14 +69,15 @@ def step_bound(jobs) -> int:
     return 4 * (work + max(j.arrival_step for j in jobs)) + 50
 
 
-def run_workload(model_dir, seed: int, device="cpu", backend="torch") -> tuple[int, int]:
-    """Returns (preemptions, near-ties)."""
+def run_workload(model_dir, seed: int, device="cpu", backend="torch", **extra) -> tuple[int, int]:
+    """Returns (preemptions, near-ties); `extra`: settings of both engines (the solo one and
+    the preempting one)."""
     jobs, settings = workload(seed)
-    solo = make_engine(model_dir, device, backend, max_num_seqs=1)
+    solo = make_engine(model_dir, device, backend, max_num_seqs=1, **extra)
     want = {}
     for job in jobs:
         want.update(run_batched(solo, [Job(job.req_id, job.prompt, job.params)]))
-    eng = make_engine(model_dir, device, backend, **settings)
+    eng = make_engine(model_dir, device, backend, **settings, **extra)
     steps = itertools.count(1)
 
     def bounded(_):

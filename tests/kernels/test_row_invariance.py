@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_rlt.kernels import fused_ops
+from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.kernels.kv_write import write_kv_cache
 from vllm_rlt.models.layers import RotaryEmbedding
 
@@ -60,7 +61,7 @@ def test_rope_and_kv_write(device, dtype, hidden, heads, rows):
                                      head_dim)  # fmt: skip
         cache = torch.zeros(n, 1, num_kv_heads, head_dim, device=device, dtype=dtype)
         v_cache = torch.zeros_like(cache)
-        write_kv_cache(k, v, cache, v_cache, torch.arange(m, device=device))
+        write_kv_cache(k, v, KVLayer(cache, v_cache), torch.arange(m, device=device))
         return q, k, cache[:m, 0], v_cache[:m, 0]
 
     full = rope(n)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_rlt.kernels import run_rows
+from vllm_rlt.kernels.kv_format import FP8
 from vllm_rlt.worker import run_rows_torch
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.run_state import RunState
@@ -59,16 +60,17 @@ def _compare(a: RunState, b: RunState, columns: list[int]) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", list(run_rows.EXIT_MODES))
-def test_the_kernels_compute_what_their_torch_form_computes(device, mode):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, FP8], ids=["fp32_kv", "fp8_kv"])
+def test_the_kernels_compute_what_their_torch_form_computes(device, mode, kv_dtype):
     gen = torch.Generator().manual_seed(len(mode))
     kernel_state = _state(device, gen)
     torch_state = copy.deepcopy(kernel_state)
     buffers = [torch.randn(SLOTS, HIDDEN, generator=gen).to(device) for _ in range(2)]
     buffers[1].copy_(buffers[0])
-    kv = [DeviceKVCache(2, ROWS * PLANES * BLOCKS, BLOCK_SIZE, 2, 8, torch.float32, device)
+    kv = [DeviceKVCache(2, ROWS * PLANES * BLOCKS, BLOCK_SIZE, 2, 8, kv_dtype, device)
           for _ in range(2)]  # fmt: skip
-    kv[0].kv.copy_(torch.randn(kv[0].kv.shape, generator=gen))
-    kv[1].kv.copy_(kv[0].kv)
+    kv[0].kv.copy_(torch.randn(kv[0].kv.shape, generator=gen).to(kv_dtype))
+    kv[1].bytes.copy_(kv[0].bytes)
     windows = [torch.randint(0, VOCAB, (SLOTS, 3), generator=gen).to(device) for _ in range(2)]
     windows[1].copy_(windows[0])
     scratch = ROWS * PLANES * BLOCKS * BLOCK_SIZE
@@ -87,6 +89,6 @@ def test_the_kernels_compute_what_their_torch_form_computes(device, mode):
             ops.fill_skipped(s, ROWS, cache)
             ops.take_tokens(s, ROWS, tokens, window)
         _compare(kernel_state, torch_state, columns)
-        assert torch.equal(buffers[0], buffers[1]) and torch.equal(kv[0].kv, kv[1].kv)
+        assert torch.equal(buffers[0], buffers[1]) and torch.equal(kv[0].bytes, kv[1].bytes)
         assert torch.equal(windows[0], windows[1])
     assert int(kernel_state.exited[:ROWS].sum()) + int(kernel_state.done[:ROWS].sum()) > 0

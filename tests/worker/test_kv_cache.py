@@ -3,19 +3,22 @@ for the exiting token and touches nothing else."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.helpers import GQA, tiny_model
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.kernels.kv_format import FP8
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.paged_executor import PagedExecutor
 
 
-def test_exit_copy_fills_skipped_planes_only():
+@pytest.mark.parametrize("dtype", [torch.float32, FP8], ids=["fp32", "fp8"])
+def test_exit_copy_fills_skipped_planes_only(dtype):
     manager = KVCacheManager(num_blocks=16, block_size=4, layout="last_exited", num_loops=4)
-    cache = DeviceKVCache(3, 16, 4, 2, 8, torch.float32, "cpu")
-    cache.kv.normal_()
-    before = cache.kv.clone()
+    cache = DeviceKVCache(3, 16, 4, 2, 8, dtype, "cpu", scales=[(0.5, 2.0)] * 3)
+    cache.kv.copy_(torch.randn(cache.kv.shape).to(dtype))
+    before = cache.bytes.clone()
     manager.reserve("a", 7)
     manager.reserve("b", 7)
     pos, exit_depth = 6, 1
@@ -23,8 +26,8 @@ def test_exit_copy_fills_skipped_planes_only():
     src, dst = torch.tensor(pairs).T
     cache.copy_slots(src, dst)
 
-    flat = cache.kv.view(3, 2, -1, 2, 8)
-    old = before.view(3, 2, -1, 2, 8)
+    flat = cache.bytes.view(3, 2, -1, 2, 8 * dtype.itemsize)  # bits, compared as bits
+    old = before.view_as(flat)
     src_slot = manager.slot("a", exit_depth, pos)
     for plane in (2, 3):
         slot = manager.slot("a", plane, pos)

@@ -9,6 +9,7 @@ import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.config import ConfigError
+from vllm_rlt.kernels.kv_format import KVLayer
 
 
 class AttentionBackend(Protocol):
@@ -25,12 +26,11 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVLayer,
         meta: AttentionMetadata,
         kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q: [R, Hq, d]; k, v: [R, Hkv, d]; caches: [num_blocks, block_size, Hkv, d].
+        """q: [R, Hq, d]; k, v: [R, Hkv, d]; the layer's caches: [num_blocks, block_size, Hkv, d].
 
         Writes k, v at `meta.slot_mapping` (unless `kv_stored`: the caller stored them there
         already), then returns the causal attention output [R, Hq, d] of every row over

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.kv_format import KVLayer, dequantize, quantize
 from vllm_rlt.tensor_utils import acc_dtype
 
 
@@ -21,15 +22,14 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVLayer,
         meta: AttentionMetadata,
         kv_stored: bool = False,
     ) -> torch.Tensor:
         if not kv_stored:
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv(k, v, cache, meta.slot_mapping)
         num_heads, head_dim = q.shape[1:]
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = cache.k.shape[2]
         group = num_heads // num_kv_heads
         bs = meta.block_size
         acc = acc_dtype(q.dtype)
@@ -39,8 +39,9 @@ class TorchAttentionBackend:
             r0, r1 = rows[s], rows[s + 1]
             ctx = t0 + r1 - r0
             blocks = meta.block_tables[s, : (ctx + bs - 1) // bs].long()
-            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].to(acc)
-            vals = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].to(acc)
+            keys = cache.k[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            vals = cache.v[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            keys, vals = dequantize(keys, cache.k_scale, acc), dequantize(vals, cache.v_scale, acc)
             keys = keys.repeat_interleave(group, dim=1)
             vals = vals.repeat_interleave(group, dim=1)
             scores = torch.einsum("nhd,chd->hnc", q[r0:r1].to(acc), keys) * head_dim**-0.5
@@ -52,14 +53,10 @@ class TorchAttentionBackend:
         return out
 
 
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store each row's K/V at its flat slot (one index_copy per tensor)."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayer, slot_mapping: torch.Tensor) -> None:
+    """Store each row's K/V at its flat slot (one index_copy per tensor, over the caches' bytes:
+    CPU index_copy has no FP8 kernel)."""
+    for x, c, scale in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        rows = c.view(torch.uint8).view(c.shape[0] * c.shape[1], -1)
+        data = quantize(x, scale, c.dtype).contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+        rows.index_copy_(0, slot_mapping, data)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.kernels.kv_write import write_kv_cache
 from vllm_rlt.kernels.paged_attention import paged_attention
 
@@ -30,21 +31,18 @@ class TritonAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVLayer,
         meta: AttentionMetadata,
         kv_stored: bool = False,
     ) -> torch.Tensor:
-        """q: [R, Hq, d]; k, v: [R, Hkv, d]; caches: [num_blocks, block_size, Hkv, d].
+        """q: [R, Hq, d]; k, v: [R, Hkv, d]; the layer's caches: [num_blocks, block_size, Hkv, d].
 
         Returns [R, Hq, d] in q's dtype (see `AttentionBackend.forward`).
         """
         if not kv_stored:
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            write_kv_cache(k, v, cache, meta.slot_mapping)
         splits = meta.num_splits if self.num_splits is None else self.num_splits
-        return paged_attention(
-            q, k_cache, v_cache, meta, num_splits=splits, invariant=self.invariant
-        )
+        return paged_attention(q, cache, meta, num_splits=splits, invariant=self.invariant)
 
 
 class InvariantTritonAttentionBackend(TritonAttentionBackend):

@@ -2,8 +2,9 @@
 
 Each prefill/decode pair has its own process group (`pair_groups`). A transfer is a header,
 int64 `[handle, first block, blocks, last]`, then (when it carries blocks) a payload
-`[L, 2, P * blocks, block_size, Hkv, d]`: logical blocks `first .. first + blocks` of the
-request's prompt in every plane, plane-major, in the KV dtype. Messages between one pair arrive
+`[L, 2, P * blocks, block_size, Hkv * d * itemsize]`: logical blocks `first .. first + blocks`
+of the request's prompt in every plane, plane-major, as the cache's bytes (both engines run one
+config: the same KV dtype and scales). Messages between one pair arrive
 in the order they were sent, so the receiver reads a header, then its payload, then the next
 header. The engine loop never waits on a peer: one thread per peer sends (prefill side) or
 receives (decode side) with blocking `send` / `recv` (gloo's non-blocking works report their
@@ -58,7 +59,7 @@ class Chunk:
     first_block: int  # first logical block
     num_blocks: int  # blocks per plane (0: only the `last` mark)
     last: bool  # no more blocks of this request follow
-    payload: torch.Tensor | None  # [L, 2, P * num_blocks, block_size, Hkv, d]
+    payload: torch.Tensor | None  # [L, 2, P * num_blocks, block_size, Hkv * d bytes]
     arrived_at: float  # time.monotonic() when its receive completed
 
 
@@ -67,7 +68,7 @@ class KVSender:
 
     def __init__(self, kv_cache: DeviceKVCache, groups: dict[int, object], via_host: bool):
         """`groups`: decode rank -> the pair's process group."""
-        self.kv = kv_cache.kv
+        self.kv = kv_cache.bytes  # whatever the cache's dtype (gloo has no FP8)
         self.device = torch.device("cpu") if via_host else self.kv.device
         self._queues: dict[int, queue.SimpleQueue] = {}
         self.dead: set[int] = set()
@@ -112,10 +113,10 @@ class KVReceiver:
     def __init__(self, kv_cache: DeviceKVCache, groups: dict[int, object], num_planes: int,
                  via_host: bool):  # fmt: skip
         """`groups`: prefill rank -> the pair's process group."""
-        self.kv = kv_cache.kv
+        self.kv = kv_cache.bytes  # the sender's layout
         self.device = torch.device("cpu") if via_host else self.kv.device
-        L, two, _, bs, h, d = self.kv.shape
-        self.block_shape = (L, two, bs, h, d)
+        L, two, _, bs, row_bytes = self.kv.shape
+        self.block_shape = (L, two, bs, row_bytes)
         self.num_planes = num_planes
         self._arrived: queue.SimpleQueue = queue.SimpleQueue()
         for peer, group in groups.items():
@@ -132,8 +133,8 @@ class KVReceiver:
                 handle, first, count, last = header.tolist()
                 payload = None
                 if count:
-                    L, two, bs, h, d = self.block_shape
-                    shape = (L, two, self.num_planes * count, bs, h, d)
+                    L, two, bs, row_bytes = self.block_shape
+                    shape = (L, two, self.num_planes * count, bs, row_bytes)
                     payload = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
                     dist.recv(payload, peer, group=group)
                 self._arrived.put(

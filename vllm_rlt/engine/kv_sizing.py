@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from vllm_rlt.config import CacheConfig, ConfigError
+from vllm_rlt.kernels.kv_format import FP8
 from vllm_rlt.worker.memory_profile import DeviceMemory
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,20 @@ class KVBlocks:
     def name(self) -> str:
         """The setting that changes the number."""
         return self.setting.split("=")[0]
+
+
+KV_DTYPES = {"fp8": FP8, "fp8_e4m3": FP8}  # kv_cache_dtype's values besides "auto"
+
+
+def kv_cache_dtype(
+    setting: str, model_dtype: torch.dtype, scales: tuple[tuple[float, float], ...] | None
+) -> torch.dtype:
+    """The dtype `kv_cache_dtype` = `setting` stores K and V in (and a log line saying so)."""
+    if setting == "auto":
+        return model_dtype
+    source = "the checkpoint's" if scales else "1.0 (the checkpoint gives none)"
+    logger.info("KV cache: FP8 (e4m3), K and V scales per layer: %s", source)
+    return KV_DTYPES[setting]
 
 
 def plan_kv_blocks(

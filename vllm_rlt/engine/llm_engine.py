@@ -27,7 +27,12 @@ from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken, St
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.scheduler import Scheduler
-from vllm_rlt.engine.kv_sizing import log_kv_cache, plan_kv_blocks, resolve_max_model_len
+from vllm_rlt.engine.kv_sizing import (
+    kv_cache_dtype,
+    log_kv_cache,
+    plan_kv_blocks,
+    resolve_max_model_len,
+)
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineStats
 from vllm_rlt.models import registry
@@ -114,7 +119,8 @@ class LLMEngine:
             args = (budget, sc.max_num_seqs, cc.block_size, tile_rows, specs, max_context)
             return measure_device_memory(self.model, *args)
 
-        blocks = plan_kv_blocks(cc, c, num_planes, weight.dtype, weight.device, measure)
+        kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, weight.dtype, loaded.kv_scales)
+        blocks = plan_kv_blocks(cc, c, num_planes, kv_dtype, weight.device, measure)
         num_blocks = blocks.num_blocks
         # a random initial state makes prompt KV depend on the request's seed: nothing to share
         prefix_caching = cc.enable_prefix_caching and not self.model.random_initial_state
@@ -138,7 +144,9 @@ class LLMEngine:
             mc.max_model_len, c.max_position_embeddings, per_plane, blocks
         )
         log_kv_cache(blocks, per_plane, num_planes, self.max_model_len)
-        kv_cache = DeviceKVCache.for_model(self.model, num_blocks, cc.block_size)
+        kv_cache = DeviceKVCache.for_model(
+            self.model, num_blocks, cc.block_size, kv_dtype, loaded.kv_scales
+        )
         exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
         self.scheduler = Scheduler(
             sc,

@@ -40,11 +40,14 @@ def _attend_block(
     PRECISION: tl.constexpr,
     ACC: tl.constexpr,
     F64: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One BLOCK_N step of the online softmax; MASKED adds the range and causal masks.
 
     fp32 accumulation works in the log2 domain (qk_scale includes log2(e)); fp64 (ACC, exactness
     runs) in the natural one, with the scale computed in fp64 (a float argument arrives as fp32).
+    KV_FP8: K and V arrive in FP8, widened to q's dtype (exact); their scales are applied by the
+    caller (K's in qk_scale, V's to the output).
     """
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -70,6 +73,9 @@ def _attend_block(
     else:
         kt = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    if KV_FP8:  # exact widening: to the dot's input type, or straight to the accumulator's
+        kt = kt.to(q.dtype if USE_DOT else ACC)
+        v = v.to(q.dtype if USE_DOT else ACC)
 
     if USE_DOT:
         if UPCAST or F64:
@@ -80,6 +86,8 @@ def _attend_block(
         s = tl.sum(q.to(ACC)[:, :, None] * kt.to(ACC)[None, :, :], axis=1)
     if F64:  # noqa: SIM108 (constexpr branches: only one is compiled)
         s = s * (1.0 / tl.sqrt(tl.full([1, 1], HEAD_DIM, tl.float64)))
+        if KV_FP8:
+            s = s * qk_scale  # the K scale alone
     else:
         s = s * qk_scale
     if MASKED:
@@ -134,6 +142,7 @@ def attend_tile(
     num_splits,
     min_split_len,
     qk_scale,
+    v_scale,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,
@@ -149,6 +158,7 @@ def attend_tile(
     PRECISION: tl.constexpr,
     ACC: tl.constexpr,
     F64: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One tile (of `nrows` > 0 rows) for one KV head and one KV split."""
     kv_head = tl.program_id(1)
@@ -193,14 +203,16 @@ def attend_tile(
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
                 kv_head_off, stride_block, stride_slot, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                BLOCK_SIZE, False, USE_DOT, UPCAST, PRECISION, ACC, F64,
+                BLOCK_SIZE, False, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
             )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
                 kv_head_off, stride_block, stride_slot, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64,
+                BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
             )  # fmt: skip
+        if KV_FP8:  # the V scale, before the partial or the normalised output is stored
+            acc = acc * v_scale
 
         # Rows whose keys all lie in split 0 (position < split_len) are final here: split 0
         # stores their output and the combine kernel skips them; the others store a partial.

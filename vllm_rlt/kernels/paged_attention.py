@@ -38,6 +38,7 @@ from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_f
 
 if TYPE_CHECKING:  # the kernel reads the tables by name; attention builds them on top of it
     from vllm_rlt.attention.metadata import AttentionMetadata
+    from vllm_rlt.kernels.kv_format import KVLayer
 
 _LOG2E = 1.4426950408889634
 
@@ -58,6 +59,11 @@ DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=Tru
 # before splitting (9-32 rows of Ouro-1.4B's 16 heads): KV steps of 64 with 2 stages, 4-14%
 # faster at 512-4096 positions on the H200 (docs/design/runner.md §4).
 FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)
+# The same launches over an FP8 cache: the dot's FP8 -> bf16 widening of K and V ran them below
+# the bf16 cache's speed; widening to fp32 for a broadcast-and-sum in 2 warps runs 32 rows at
+# 2,048 positions 1.2x faster than the bf16 cache and 1.5x faster than the dot (H200, whole
+# recurrent core; docs/benchmarks/fp8-kv.md).
+FP8_FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=2, num_stages=2, use_dot=False)
 # Prefill tiles below 64 rows x heads, and from 64. Swept at the engine's 1024-row invocations
 # (docs/design/runner.md §4): 3-4% faster than 2 and 3 stages at contexts up to 512;
 # the short tiles' 3 stages lose up to 2% at 4K, the tall tiles' 2 stages win up to 4K.
@@ -105,6 +111,7 @@ def _paged_attention_kernel(
     min_split_len,
     balance_pieces,
     qk_scale,
+    v_scale,
     num_one,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -127,6 +134,7 @@ def _paged_attention_kernel(
     BLOCK_N_ONE: tl.constexpr,
     USE_DOT_ONE: tl.constexpr,
     BALANCE_ROWS: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One program per (tile, KV head, split). BOTH: the grid holds both classes, the first
     `num_one` tiles one-row (row block BLOCK_MG_ONE, KV step BLOCK_N_ONE), the rest multi-row,
@@ -151,17 +159,17 @@ def _paged_attention_kernel(
             tile, nrows, tile_seg_ptr, tile_row_start_ptr, seg_row_starts_ptr,
             seg_token_starts_ptr, block_tables_ptr, split_len_ptr, stride_q_row, stride_q_head,
             stride_o_row, stride_o_head, stride_block, stride_slot, stride_kv_head, stride_bt,
-            num_rows, num_splits, min_split_len, qk_scale,
+            num_rows, num_splits, min_split_len, qk_scale, v_scale,
         )  # fmt: skip
         if BOTH and tl.program_id(0) < num_one:
             attend_tile(
                 *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG_ONE, HEAD_DIM, HEAD_PAD, BLOCK_N_ONE,
-                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT_ONE, UPCAST, PRECISION, ACC, F64,
+                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT_ONE, UPCAST, PRECISION, ACC, F64, KV_FP8,
             )  # fmt: skip
         else:
             attend_tile(
                 *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT, UPCAST, PRECISION, ACC, F64,
+                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
             )  # fmt: skip
 
 
@@ -248,17 +256,20 @@ def _launch(
     )  # fmt: skip
 
 
-def decode_config_for(num_programs: int, decode_only: bool, num_sms: int) -> LaunchConfig:
+def decode_config_for(
+    num_programs: int, decode_only: bool, num_sms: int, kv_fp8: bool = False
+) -> LaunchConfig:
     """The decode tiles' launch config of a launch of `num_programs` (tiles x KV heads) before
     splitting; launches with prefill tiles keep DECODE_CONFIG."""
     fine = split_policy(num_programs, decode_only, num_sms) is DECODE_SPLITS
-    return FINE_DECODE_CONFIG if fine and num_programs > num_sms else DECODE_CONFIG
+    if fine and num_programs > num_sms:
+        return FP8_FINE_DECODE_CONFIG if kv_fp8 else FINE_DECODE_CONFIG
+    return DECODE_CONFIG
 
 
 def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: KVLayer,
     meta: AttentionMetadata,
     *,
     num_splits: int | None = None,
@@ -267,7 +278,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
-    """Causal paged attention of q [R, Hq, d] over caches [num_blocks, block_size, Hkv, d].
+    """Causal paged attention of q [R, Hq, d] over a layer's caches [num_blocks, block_size,
+    Hkv, d] (FP8 ones times their scales).
 
     Returns [R, Hq, d] in q's dtype (written into `out` when given). `num_splits` fixes the KV
     splits per tile (default: chosen from the grid size and max context by the split policy of
@@ -276,6 +288,7 @@ def paged_attention(
     the same bits in any invocation (INVARIANT_CONFIG; no split, the configs are ignored).
     """
     num_rows, num_heads, head_dim = q.shape
+    k_cache, v_cache = cache.k, cache.v
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError("the number of query heads must be a multiple of the KV heads")
@@ -292,7 +305,7 @@ def paged_attention(
     if decode_config is None and fp32:
         decode_config = replace(DECODE_CONFIG, block_n=FP32_BLOCK_N)
     elif decode_config is None:
-        decode_config = decode_config_for(programs, decode_only, num_sms)
+        decode_config = decode_config_for(programs, decode_only, num_sms, cache.fp8)
     big = _row_block(meta.max_tile_rows, group, True)[0] >= 64
     if invariant:
         if meta.max_tile_rows > INVARIANT_TILE_ROWS:
@@ -316,6 +329,9 @@ def paged_attention(
         )
         min_split_len = triton.cdiv(policy.min_len, block_n) * block_n
 
+    qk_scale = head_dim**-0.5 * _LOG2E  # the fp64 kernel computes its own (F64 in _attend_block)
+    if cache.fp8:
+        qk_scale = cache.k_scale if acc_dtype == torch.float64 else qk_scale * cache.k_scale
     if out is None:
         out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -335,7 +351,7 @@ def paged_attention(
         meta.seg_token_starts, meta.block_tables, split_len, meta.positions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        num_rows, num_splits, min_split_len, max(balance_pieces, 1), head_dim**-0.5 * _LOG2E,
+        num_rows, num_splits, min_split_len, max(balance_pieces, 1), qk_scale, cache.v_scale,
     )  # fmt: skip
     constexprs = dict(
         NUM_HEADS=num_heads,
@@ -350,6 +366,7 @@ def paged_attention(
         F64=acc_dtype == torch.float64,
         GDC=pdl(q.device),
         BALANCE_ROWS=triton.next_power_of_2(num_rows) if balance_pieces and num_splits > 1 else 0,
+        KV_FP8=cache.fp8,
     )
     args = (common, group, num_kv_heads, num_splits, constexprs)
     tiles = meta.tile_order

@@ -214,10 +214,10 @@ def exit_rows(s, r: int, mode: str, gate: torch.Tensor, out: torch.Tensor,
 def fill_skipped(s, r: int, kv_cache) -> None:
     """LAST_EXITED for the rows of RunState `s` that exited in the last invocation: planes
     loops.. at their position take plane loops-1's K/V, in every layer of `kv_cache` (a
-    DeviceKVCache: `kv` [L, 2, blocks, block_size, Hkv, d])."""
-    kv, block_size = kv_cache.kv, kv_cache.block_size
+    DeviceKVCache), moved as bytes whatever the cache's dtype."""
+    kv, block_size = kv_cache.bytes, kv_cache.block_size
     planes, max_blocks = s.tables.shape[1:]
-    row_elems, rows = kv.shape[-2] * kv.shape[-1], _row_block(r)
+    row_elems, rows = kv.shape[-1], _row_block(r)
     layers = kv.shape[0] * kv.shape[1]
     _fill_kernel[(triton.cdiv(r, rows), layers)](
         s.exited, s.loops, s.position, s.tables, kv, r, planes, max_blocks, kv[0, 0].numel(),

@@ -35,6 +35,8 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.fused_ops import NO_FMA, _round, rotate_halves, silu_times
+from vllm_rlt.kernels.kv_format import FP8, KVLayer
+from vllm_rlt.kernels.kv_write import stored
 from vllm_rlt.kernels.pdl import (
     launch_options,
     pdl,
@@ -72,14 +74,14 @@ PLAIN, SWIGLU, ROPE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 def _epilogue(
     acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok, table_cols,
     rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head, cache_ptr, slot_ptr,
-    cache_cols_a, kv_cols, EPILOGUE: tl.constexpr,
+    cache_cols_a, kv_cols, kv_scale, EPILOGUE: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):  # fmt: skip
     """Round the fp32 sums to the output dtype and finish them. PLAIN stores them; the paired
     epilogues split the tile's interleaved columns into a (even) and b (odd): SWIGLU stores
     silu(a) * b at a's columns; ROPE rotates the halves a | b (when `rotate`: q and k heads) and
     stores both, a k or v head (`kv_head`, only with the kernel's WRITE_KV) also at each row's
-    slot of its cache (slots of kv_cols elements, a at cache_cols_a). Every rounding is the one
-    the separate kernels make."""
+    slot of its cache (slots of kv_cols elements, a at cache_cols_a; FP8 at `kv_scale`). Every
+    rounding is the one the separate kernels make."""
     dt = out_ptr.dtype.element_ty
     rows = offs_m[:, None] * stride_om
     y = _round(acc, dt)
@@ -103,8 +105,8 @@ def _epilogue(
             if kv_head:  # the KV write's stores, of the same values
                 slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
                 dst = cache_ptr + slot[:, None] * kv_cols + cache_cols_a[None, :]
-                tl.store(dst, a, mask=mask)
-                tl.store(dst + pair_offset, b, mask=mask)
+                tl.store(dst, stored(a, kv_scale, cache_ptr, FP8_CACHE), mask=mask)
+                tl.store(dst + pair_offset, stored(b, kv_scale, cache_ptr, FP8_CACHE), mask=mask)
         tl.store(out_ptr + rows + cols_a[None, :], a, mask=mask)
 
 
@@ -133,6 +135,8 @@ def _skinny_gemm_kernel(
     pair_offset,
     rotated_cols,
     kv_cols,
+    k_scale,
+    v_scale,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -145,6 +149,7 @@ def _skinny_gemm_kernel(
     EPILOGUE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WRITE_KV: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
 ):
     """Program (output block, K split) over BLOCK_N weight rows. PLAIN: rows of N outputs.
     SWIGLU and ROPE: BLOCK_N / 2 pairs of rows `pair_offset` apart (interleaved in the tile):
@@ -160,7 +165,7 @@ def _skinny_gemm_kernel(
     rotate = False
     table_cols = tl.arange(0, PAIRS)
     kv_head = False  # with WRITE_KV: a k or v head, stored also at cache_ptr, cache_cols_a
-    cache_ptr, cache_cols_a = k_cache_ptr, table_cols
+    cache_ptr, cache_cols_a, kv_scale = k_cache_ptr, table_cols, k_scale
     if EPILOGUE == ROPE:  # a head's low half holds HEAD_DIM / 2 / PAIRS blocks
         per_head: tl.constexpr = HEAD_DIM // 2 // PAIRS
         head_col = (pid_n // per_head) * HEAD_DIM
@@ -171,6 +176,7 @@ def _skinny_gemm_kernel(
         if WRITE_KV:  # q | k | v: k heads start kv_cols before rotated_cols
             kv_head = head_col >= rotated_cols - kv_cols
             cache_ptr = tl.where(rotate, k_cache_ptr, v_cache_ptr)
+            kv_scale = tl.where(rotate, k_scale, v_scale)
             cache_cols_a = cols_a - tl.where(rotate, rotated_cols - kv_cols, rotated_cols)
     else:
         cols_a = pid_n * PAIRS + tl.arange(0, PAIRS)
@@ -218,14 +224,14 @@ def _skinny_gemm_kernel(
             _epilogue(
                 acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
                 table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
-                cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
+                cache_ptr, slot_ptr, cache_cols_a, kv_cols, kv_scale, EPILOGUE, FP8_CACHE,
             )  # fmt: skip
             tl.store(counter_ptr + pid_n, 0)  # zeroed for the next call
     else:
         _epilogue(
             acc, out_ptr, cos_ptr, sin_ptr, offs_m, m_ok, cols, col_ok, cols_a, a_ok,
             table_cols, rotate, pair_offset, stride_om, stride_cos, stride_sin, kv_head,
-            cache_ptr, slot_ptr, cache_cols_a, kv_cols, EPILOGUE,
+            cache_ptr, slot_ptr, cache_cols_a, kv_cols, kv_scale, EPILOGUE, FP8_CACHE,
         )  # fmt: skip
 
 
@@ -262,11 +268,11 @@ def _launch(
     cfg: SkinnyConfig,
     epilogue: tl.constexpr = PLAIN,
     rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
-    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv: tuple[KVLayer, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One launch over n_a outputs (paired epilogues: first-of-pair columns, cfg.block_n / 2 of
     them per program, so that a program streams as many weight rows as a PLAIN one). rope:
-    (cos, signed_sin, rotated columns, head_dim) for ROPE; kv: (k_cache, v_cache, slots) that
+    (cos, signed_sin, rotated columns, head_dim) for ROPE; kv: (a layer's caches, slots) that
     ROPE also stores the k and v heads in."""
     _check(x, weight)
     m, k = x.shape
@@ -280,19 +286,19 @@ def _launch(
     part = torch.empty(splits, m, n_w, device=x.device, dtype=torch.float32) if splits > 1 else out
     counters = _counters(x.device) if splits > 1 else out
     cos, sin, rotated_cols, head_dim = rope if rope else (out, out, 0, 0)
-    k_cache, v_cache, slots = kv if kv else (out, out, out)
-    kv_cols = k_cache.shape[2] * k_cache.shape[3] if kv else 0
+    cache, slots = kv if kv else (KVLayer(out, out), out)
+    kv_cols = cache.k.shape[2] * cache.k.shape[3] if kv else 0
     # the distance between a pair's rows: gate to up (I), a head's low to high half, or none
     pair_offset = n_a if epilogue == SWIGLU else head_dim // 2
     gdc = pdl(x.device)
     _skinny_gemm_kernel[(n_blocks, splits)](
-        x, weight, out, part, counters, cos, sin, k_cache, v_cache, slots, m, n_a, n_w, k,
+        x, weight, out, part, counters, cos, sin, cache.k, cache.v, slots, m, n_a, n_w, k,
         x.stride(0), weight.stride(0), out.stride(0), cos.stride(0), sin.stride(0), k_per_split,
-        pair_offset, rotated_cols, kv_cols,
+        pair_offset, rotated_cols, kv_cols, cache.k_scale, cache.v_scale,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         LINE=128 // weight.element_size(), PREFETCH_K=PREFETCH_K, GDC=gdc, EPILOGUE=int(epilogue),
-        HEAD_DIM=head_dim, WRITE_KV=kv is not None, num_warps=cfg.num_warps,
+        HEAD_DIM=head_dim, WRITE_KV=kv is not None, FP8_CACHE=cache.fp8, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **NO_FMA,
         **launch_options(gdc),
     )  # fmt: skip
@@ -334,13 +340,13 @@ def skinny_qkv_rope(
     num_kv_heads: int,
     head_dim: int,
     config: SkinnyConfig | None = None,
-    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv: tuple[KVLayer, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ qkv_weight [(Hq + 2 Hkv) d, K].T with RoPE on the q and k heads:
     `fused_ops.rope_qk_` of `skinny_linear`'s output, bit for bit, in one launch. cos,
     signed_sin: [M, 1, d] or [M, d] in x's dtype (`RotaryEmbedding.tables`). Returns [M, N].
-    kv: (k_cache, v_cache, slot_mapping [M]) with caches [num_blocks, block_size, Hkv, d] in x's
-    dtype: also does `kv_write.write_kv_cache` of the rotated k and the v heads."""
+    kv: (a layer's caches [num_blocks, block_size, Hkv, d] in x's dtype or FP8, slot_mapping
+    [M]): also does `kv_write.write_kv_cache` of the rotated k and the v heads."""
     cfg = config or DEFAULT_CONFIG
     n = qkv_weight.shape[0]
     if not rope_fits(head_dim, cfg) or n != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -350,12 +356,13 @@ def skinny_qkv_rope(
     if cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
         raise ValueError("the RoPE tables must be contiguous along head_dim")
     if kv is not None:
-        k_cache, v_cache, slots = kv
+        cache, slots = kv
         shape = (num_kv_heads, head_dim)
-        for c in (k_cache, v_cache):
-            if c.dtype != x.dtype or tuple(c.shape[2:]) != shape or not c.is_contiguous():
-                raise ValueError(f"KV caches must be contiguous [blocks, block_size, {shape}] "
-                                 f"in {x.dtype}, got {tuple(c.shape)} {c.dtype}")  # fmt: skip
+        for c in cache[:2]:
+            fits = c.dtype in (x.dtype, FP8) and tuple(c.shape[2:]) == shape
+            if not (fits and c.is_contiguous()):
+                raise ValueError(f"KV caches must be contiguous [blocks, block_size, {shape}] in "
+                                 f"{x.dtype} or FP8, got {tuple(c.shape)} {c.dtype}")  # fmt: skip
         if slots.shape != (x.shape[0],):
             raise ValueError(f"slot_mapping must hold one slot per row, got {tuple(slots.shape)}")
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)

@@ -30,6 +30,7 @@ from torch import nn
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.config import LAYER_KERNELS, ConfigError
+from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.layers import RMSNorm
 from vllm_rlt.tensor_utils import acc_dtype, counter_uniform
@@ -87,14 +88,13 @@ class HuginnAttention(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVLayer,
     ) -> torch.Tensor:
         """x: [R, E] normed block input; rope: [R, 1, d/2, 2] this invocation's table rows."""
         q, k, v = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q = rotate_interleaved(q + self.qk_bias[0], rope)
         k = rotate_interleaved(k + self.qk_bias[1], rope)
-        out = self.backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta)
+        out = self.backend.forward(q, k, v.contiguous(), cache, meta)
         return self.proj(out.reshape(x.shape[0], -1))
 
 
@@ -122,8 +122,8 @@ class HuginnBlock(nn.Module):
         self.attn = HuginnAttention(config, backend)
         self.mlp = HuginnMLP(config)
 
-    def forward(self, x, rope, meta, kv_layer: tuple[torch.Tensor, torch.Tensor]):
-        x = self.norm_2(self.attn(self.norm_1(x), rope, meta, *kv_layer) + x)
+    def forward(self, x, rope, meta, kv_layer: KVLayer):
+        x = self.norm_2(self.attn(self.norm_1(x), rope, meta, kv_layer) + x)
         return self.norm_4(self.mlp(self.norm_3(x)) + x)
 
 

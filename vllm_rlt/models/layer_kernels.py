@@ -37,11 +37,12 @@ import torch
 from torch import nn
 
 from vllm_rlt.config import LAYER_KERNELS, ConfigError
+from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
 from vllm_rlt.tensor_utils import acc_dtype
 
-# where a layer's k and v go: (k_cache, v_cache [num_blocks, block_size, Hkv, d], slots [R])
-KVTarget = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# where a layer's k and v go: (its caches, slots [R])
+KVTarget = tuple[KVLayer, torch.Tensor]
 
 
 class LayerKernels(Protocol):

@@ -38,6 +38,8 @@ class LoadedModel:
     config: object  # the parsed model config (e.g. OuroConfig)
     tokenizer: Tokenizer | None  # from tokenizer.json, if the directory has one
     model_dir: Path
+    # (k_scale, v_scale) per KV layer for an FP8 KV cache, when the checkpoint gives them
+    kv_scales: tuple[tuple[float, float], ...] | None = None
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -157,12 +159,15 @@ def load_model(
     with torch.device(device):
         model = model_cls(config, attention_backend=attention_backend, layer_kernels=layer_kernels)
     model.to(torch_dtype)
+    kv_scales = None
     if load_format == "dummy":
         init_random_weights(model, seed)
     else:
         load_safetensors(model, model_dir)
+        kv_scales = read_kv_scales(model, model_dir)
     tokenizer = read_tokenizer(model_dir)
-    return LoadedModel(model.eval().requires_grad_(False), config, tokenizer, model_dir)
+    model = model.eval().requires_grad_(False)
+    return LoadedModel(model, config, tokenizer, model_dir, kv_scales)
 
 
 def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -209,9 +214,10 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     files = checkpoint_files(model_dir)
     # tensors a checkpoint may hold beside the parameters (a tied head's copy, a RoPE table)
     optional = set(getattr(model, "optional_checkpoint_tensors", ())) & set(files)
+    scale_names = set(_kv_scale_names(model))  # read by read_kv_scales
     problems = []
     missing = sorted(set(params) - set(files))
-    unexpected = sorted(set(files) - set(params) - optional)
+    unexpected = sorted(set(files) - set(params) - optional - scale_names)
     if missing:
         problems.append(f"missing tensors: {missing}")
     if unexpected:
@@ -246,6 +252,35 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     problems = [problem for problem in vetted if problem is not None]
     if problems:
         raise CheckpointError(f"checkpoint in {model_dir}: " + "; ".join(problems))
+
+
+def _kv_scale_names(model: torch.nn.Module) -> list[str]:
+    """The checkpoint names of the KV scales `model` reads (K then V of each KV layer)."""
+    return [name for pair in getattr(model, "kv_scale_names", lambda: [])() for name in pair]
+
+
+def read_kv_scales(
+    model: torch.nn.Module, model_dir: Path
+) -> tuple[tuple[float, float], ...] | None:
+    """The checkpoint's (k_scale, v_scale) of each KV layer (scalars, as FP8 checkpoints store
+    them), or None when it has none; some but not all, or a scale that is not a positive finite
+    scalar, raises CheckpointError."""
+    names = _kv_scale_names(model)
+    files = checkpoint_files(model_dir)
+    present = [name for name in names if name in files]
+    if not present:
+        return None
+    if len(present) != len(names):
+        missing = sorted(set(names) - set(present))
+        raise CheckpointError(f"checkpoint in {model_dir} has KV scales but not {missing}")
+    values = []
+    for name in names:
+        with open_weights(files[name]) as f:
+            t = f.get_tensor(name)
+        if t.numel() != 1 or not torch.isfinite(t).all() or t.item() <= 0:
+            raise CheckpointError(f"{name} must be one positive finite value, got {t.tolist()}")
+        values.append(float(t.item()))
+    return tuple(zip(values[0::2], values[1::2], strict=True))
 
 
 @torch.no_grad()

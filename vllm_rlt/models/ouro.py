@@ -20,6 +20,7 @@ from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.config import LAYER_KERNELS
 from vllm_rlt.config_fields import check_field_types
+from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
 from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from vllm_rlt.models.registry import UnsupportedConfigError
@@ -133,13 +134,12 @@ class OuroAttention(FusesLinears):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVLayer,
         kernels: LayerKernels,
     ) -> torch.Tensor:
         """x: [R, H] normed block input; rope: this invocation's `RotaryEmbedding.tables`."""
-        q, k, v, written = kernels.qkv(self, x, rope, (k_cache, v_cache, meta.slot_mapping))
-        out = self.backend.forward(q, k, v, k_cache, v_cache, meta, kv_stored=written)
+        q, k, v, written = kernels.qkv(self, x, rope, (cache, meta.slot_mapping))
+        out = self.backend.forward(q, k, v, cache, meta, kv_stored=written)
         return kernels.out_proj(self, out.reshape(x.shape[0], -1))
 
 
@@ -173,8 +173,7 @@ class OuroDecoderLayer(nn.Module):
         next_norm: RMSNorm,
         rope: tuple[torch.Tensor, ...],
         meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: KVLayer,
         kernels: LayerKernels,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [R, H] residual stream entering the layer; x: [R, H] = input_layernorm(h).
@@ -182,7 +181,7 @@ class OuroDecoderLayer(nn.Module):
         Returns (h leaving the layer, next_norm of it): the norm that follows a layer (the next
         layer's input norm, or the end-of-loop norm) runs in the same step as the residual add.
         """
-        attn = self.self_attn(x, rope, meta, k_cache, v_cache, kernels)
+        attn = self.self_attn(x, rope, meta, cache, kernels)
         h, x = kernels.add_norm(h, attn, self.input_layernorm_2, self.post_attention_layernorm)
         mlp = kernels.swiglu(self.mlp, x)
         return kernels.add_norm(h, mlp, self.post_attention_layernorm_2, next_norm)
@@ -250,7 +249,7 @@ class OuroForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One loop for every row: hidden [R, H] -> (normed hidden [R, H], gate logit [R] fp32).
 
-        `kv.layer(i)` gives layer i's (k_cache, v_cache); the metadata says which plane and
+        `kv.layer(i)` gives layer i's caches (`KVLayer`); the metadata says which plane and
         positions each row writes and reads.
         """
         kernels = get_layer_kernels(self.layer_kernels, hidden.device)
@@ -259,10 +258,16 @@ class OuroForCausalLM(nn.Module):
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         h, x = hidden, kernels.norm(hidden, layers[0].input_layernorm)
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms, strict=True)):
-            k_cache, v_cache = kv.layer(i)
-            h, x = layer(h, x, next_norm, rope, attn_metadata, k_cache, v_cache, kernels)
+            h, x = layer(h, x, next_norm, rope, attn_metadata, kv.layer(i), kernels)
         # x is the end-of-loop norm of h (the last layer's next norm)
         return x, kernels.exit_gate(x, self.model.early_exit_gate)
+
+    def kv_scale_names(self) -> list[tuple[str, str]]:
+        """Checkpoint names of each layer's FP8 KV scales (vLLM's, for Llama-style layers)."""
+        return [
+            (f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale")
+            for i in range(self.config.num_hidden_layers)
+        ]
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V] (in the model dtype)."""

@@ -3,12 +3,17 @@
 Layout `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`; block ids come from
 the host-side `KVCacheManager` (which also computes the slots of the skipped-depth copy). The extra
 last block is the scratch block: the manager's pool of `num_blocks` never hands it out, and padding
-rows of a CUDA-graph invocation write and read only it.
+rows of a CUDA-graph invocation write and read only it. An FP8 cache (`kv_format`) holds a K and
+a V scale per layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from vllm_rlt.kernels.kv_format import KVLayer
 
 
 class DeviceKVCache:
@@ -21,8 +26,13 @@ class DeviceKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scales: Sequence[tuple[float, float]] | None = None,
     ):
+        """scales: (k_scale, v_scale) of each layer (default 1.0; used by FP8 caches only)."""
         self.block_size = block_size
+        self.scales = [(1.0, 1.0)] * num_layers if scales is None else list(scales)
+        if len(self.scales) != num_layers:
+            raise ValueError(f"{len(self.scales)} KV scale pairs for {num_layers} layers")
         self.scratch_block = num_blocks  # never in a block table: padding rows use it
         self.kv = torch.zeros(
             num_layers,
@@ -36,9 +46,16 @@ class DeviceKVCache:
         )
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, num_blocks: int, block_size: int) -> DeviceKVCache:
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        scales: Sequence[tuple[float, float]] | None = None,
+    ) -> DeviceKVCache:
         """A cache of `num_blocks` blocks for `model`'s layers and heads, on its device and in
-        its dtype."""
+        `dtype` (default: the model's)."""
         c, weight = model.config, model.lm_head.weight
         return cls(
             c.num_kv_layers,
@@ -46,13 +63,21 @@ class DeviceKVCache:
             block_size,
             c.num_key_value_heads,
             c.head_dim,
-            weight.dtype,
+            dtype or weight.dtype,
             weight.device,
+            scales,
         )
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `index`'s (k_cache, v_cache), each [num_blocks, block_size, Hkv, d]."""
-        return self.kv[index, 0], self.kv[index, 1]
+    def layer(self, index: int) -> KVLayer:
+        """Layer `index`'s caches, each [num_blocks, block_size, Hkv, d], and scales."""
+        return KVLayer(self.kv[index, 0], self.kv[index, 1], *self.scales[index])
+
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The cache's storage as bytes, [L, 2, num_blocks + 1, block_size, Hkv * d * itemsize]
+        (copies and transfers move it whatever the dtype: CPU indexing has no FP8 kernels)."""
+        kv = self.kv
+        return kv.view(torch.uint8).view(*kv.shape[:4], -1)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For every layer, K and V: slot dst[i] <- slot src[i] (the skipped-depth copy).
@@ -61,5 +86,5 @@ class DeviceKVCache:
         """
         if src.numel() == 0:
             return
-        flat = self.kv.view(self.kv.shape[0], 2, -1, *self.kv.shape[-2:])
+        flat = self.bytes.flatten(2, 3)
         flat[:, :, dst] = flat[:, :, src]
