@@ -2,11 +2,14 @@
 
     python -m benchmarks.fp8_kv --out docs/benchmarks/fp8-kv/accuracy.json
 
-Two engines over the packaged tiny Ouro, the same settings but `kv_cache_dtype` (`auto`: the
-model's dtype; `fp8`), and the same requests in the same order:
+Three engines over the packaged tiny Ouro with the same settings, running the same requests in
+the same order: `kv_cache_dtype` `auto` (the model's dtype), `fp8` at scale 1.0 (the checkpoint
+has no scales), and `fp8` over a copy calibrated by `vllm-rlt calibrate-kv-scales` on the first
+`--calibration-files` files of the trainer's validation split (`tools/stdlib_corpus.py`). Each
+FP8 engine against `auto`:
 
-- **perplexity** over windows of the trainer's held-out text (`tools/stdlib_corpus.py`; window i
-  takes `--window` tokens of held-out file i from its start), from the prompt logprobs at full
+- **perplexity** over windows of the trainer's held-out text (window i takes the first
+  `--window` tokens of the i-th held-out file that has them), from the prompt logprobs at full
   depth;
 - **greedy agreement**: the held-out prompts of `tools/eval_tiny_ouro.py`, generated greedily at
   each exit threshold; per request, whether tokens and exit depths are identical, and the tokens
@@ -19,11 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 from pathlib import Path
 
 from benchmarks.provenance import run_meta
 from tools.eval_tiny_ouro import compare, held_out_prompts, run_mode
-from tools.stdlib_corpus import held_out_files
+from tools.stdlib_corpus import held_out_files, split_of, stdlib_files
+from vllm_rlt.entrypoints import calibrate_cmd
 from vllm_rlt.entrypoints.llm import LLM
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -57,6 +62,18 @@ def cache_amax(llm: LLM) -> dict:
     return {"k": float(kv[:, 0].abs().amax()), "v": float(kv[:, 1].abs().amax())}
 
 
+def calibrated_copy(args, tmp: Path) -> Path:
+    """The packaged model with KV scales measured on the validation split, under `tmp`."""
+    root, files = stdlib_files()
+    valid = [f for f in files if split_of(f) == "valid"][: args.calibration_files]
+    texts = [(root / f).read_text(encoding="utf-8", errors="replace") for f in valid]
+    llm = LLM(device=args.device, dtype=args.dtype, kv_cache_memory_gb=1.0)
+    scales = calibrate_cmd.measure(llm, texts, args.window, args.headroom)
+    names = llm.engine.model.kv_scale_names()
+    calibrate_cmd.write_scaled_copy(llm.engine.model_dir, tmp / "calibrated", names, scales)
+    return tmp / "calibrated"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -66,27 +83,38 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--thresholds", type=float, nargs="+", default=[1.0, 0.6])
+    p.add_argument("--calibration-files", type=int, default=16)
+    p.add_argument("--headroom", type=float, default=2.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    report: dict = {"meta": run_meta(args), "engines": {}}
+    report: dict = {"meta": run_meta(args), "engines": {}, "agreement": {}}
     results = {}
-    for kv_dtype in ("auto", "fp8"):
-        llm = LLM(device=args.device, dtype=args.dtype, kv_cache_dtype=kv_dtype,
-                  kv_cache_memory_gb=4.0, max_num_seqs=32)  # fmt: skip
-        tokenizer = llm.engine.tokenizer
-        windows = text_windows(tokenizer, args.windows, args.window)
-        prompts = held_out_prompts(tokenizer, args.num_prompts)
-        entry = {"perplexity": perplexity(llm, windows)}
-        results[kv_dtype] = {q: run_mode(llm, prompts, q, args.max_tokens) for q in args.thresholds}
-        if kv_dtype == "auto":
-            entry["cache_amax"] = cache_amax(llm)
-        report["engines"][kv_dtype] = entry
-        del llm
-    report["agreement"] = {
-        str(q): compare(results["fp8"][q], results["auto"][q]) for q in args.thresholds
-    }
-    ppl = [report["engines"][d]["perplexity"]["perplexity"] for d in ("auto", "fp8")]
-    report["perplexity_change"] = ppl[1] / ppl[0] - 1
+    with tempfile.TemporaryDirectory() as tmp:
+        engines = {"auto": (None, "auto"), "fp8": (None, "fp8"),
+                   "fp8_calibrated": (calibrated_copy(args, Path(tmp)), "fp8")}  # fmt: skip
+        for name, (model, kv_dtype) in engines.items():
+            llm = LLM(model and str(model), device=args.device, dtype=args.dtype,
+                      kv_cache_dtype=kv_dtype, kv_cache_memory_gb=4.0, max_num_seqs=32)  # fmt: skip
+            tokenizer = llm.engine.tokenizer
+            windows = text_windows(tokenizer, args.windows, args.window)
+            prompts = held_out_prompts(tokenizer, args.num_prompts)
+            entry = {
+                "perplexity": perplexity(llm, windows),
+                "scales": llm.engine.runner.kv_cache.scales,
+            }
+            results[name] = {q: run_mode(llm, prompts, q, args.max_tokens) for q in args.thresholds}
+            if name == "auto":
+                entry["cache_amax"] = cache_amax(llm)
+            report["engines"][name] = entry
+            del llm
+    base = report["engines"]["auto"]["perplexity"]["perplexity"]
+    for name in ("fp8", "fp8_calibrated"):
+        report["agreement"][name] = {
+            str(q): compare(results[name][q], results["auto"][q]) for q in args.thresholds
+        }
+        report["engines"][name]["perplexity_change"] = (
+            report["engines"][name]["perplexity"]["perplexity"] / base - 1
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2))

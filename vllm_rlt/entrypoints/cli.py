@@ -12,6 +12,7 @@ import sys
 import vllm_rlt
 from vllm_rlt.entrypoints import (
     bench_cmd,
+    calibrate_cmd,
     cli_args,
     generate_cmd,
     inspect_cmd,
@@ -26,7 +27,8 @@ def build_parser() -> cli_args.CLIParser:
     )
     parser.add_argument("--version", action="version", version=f"vllm-rlt {vllm_rlt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (serve_cmd, generate_cmd, inspect_cmd, bench_cmd, pd_engine_cmd):
+    commands = (serve_cmd, generate_cmd, inspect_cmd, bench_cmd, calibrate_cmd, pd_engine_cmd)
+    for command in commands:
         command.add_parser(sub)
     return parser
 

@@ -72,6 +72,11 @@ class DeviceKVCache:
         """Layer `index`'s caches, each [num_blocks, block_size, Hkv, d], and scales."""
         return KVLayer(self.kv[index, 0], self.kv[index, 1], *self.scales[index])
 
+    def amax(self) -> list[tuple[float, float]]:
+        """The largest |K| and |V| each layer holds (every block and plane; FP8 as stored)."""
+        peaks = self.kv.float().abs().amax(dim=(2, 3, 4, 5))  # [L, 2]
+        return [(float(k), float(v)) for k, v in peaks.tolist()]
+
     @property
     def bytes(self) -> torch.Tensor:
         """The cache's storage as bytes, [L, 2, num_blocks + 1, block_size, Hkv * d * itemsize]
