@@ -6,7 +6,9 @@
                                worker -> engine -> benchmarks (vllm-rlt bench) -> entrypoints
                                            \\-> disagg (prefill/decode engine processes) -/
 
-Imports under `if TYPE_CHECKING:` name types for annotations only and are not counted.
+Imports under `if TYPE_CHECKING:` name types for annotations only and are not counted there;
+no module reaches itself through imports of any kind (top level, `TYPE_CHECKING`, inside a
+function, relative).
 """
 
 from __future__ import annotations
@@ -58,6 +60,54 @@ def layer(module: str) -> str | None:
     return found
 
 
+def all_imports(name: str, source: str, known: set[str]) -> set[str]:
+    """The `known` modules that module `name` imports anywhere in `source` (an imported name
+    that is a module counts as that module)."""
+    package = name if f"{name}.__init__" in known else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return {m for m in found if m in known and m != name}
+
+
+def import_loops(sources: dict[str, str]) -> list[list[str]]:
+    """The import loops (strongly connected groups of two or more modules) among `sources`
+    (module name -> source; a package as its name, with `NAME.__init__` also a key)."""
+    known = set(sources)
+    graph = {name: all_imports(name, src, known) for name, src in sources.items()}
+    order, low, stack, on_stack, loops = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                loops.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return loops
+
+
 def runtime_imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import in `path`, outside `if TYPE_CHECKING:` blocks."""
     tree = ast.parse(path.read_text())
@@ -93,6 +143,35 @@ def test_every_import_points_down_the_layers():
             if target is not None and target != own and target not in BELOW[own]:
                 wrong.append(f"{name}:{line} ({own}) imports {imported} ({target})")
     assert not wrong, "\n".join(wrong)
+
+
+def package_sources() -> dict[str, str]:
+    sources = {}
+    for path, name in modules():
+        sources[name] = path.read_text()
+        if path.name == "__init__.py":
+            sources[f"{name}.__init__"] = ""
+    return sources
+
+
+def test_no_import_loops():
+    assert import_loops(package_sources()) == []
+
+
+def test_a_planted_loop_is_found():
+    """The check finds loops through a lazy import, a TYPE_CHECKING import and a relative one."""
+    planted = {
+        "pkg": "",
+        "pkg.__init__": "",
+        "pkg.a": "def f():\n    from pkg.b import g\n",
+        "pkg.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import c\n",
+        "pkg.c": "import pkg.a\n",
+        "pkg.d": "from pkg import a\n",
+    }
+    assert import_loops(planted) == [["pkg.a", "pkg.b", "pkg.c"]]
+    sources = package_sources()
+    sources["vllm_rlt.core.block_pool"] += "\ndef f():\n    import vllm_rlt.core.kv_cache_manager\n"
+    assert ["vllm_rlt.core.block_pool", "vllm_rlt.core.kv_cache_manager"] in import_loops(sources)
 
 
 def test_the_scheduler_side_imports_no_torch():

@@ -8,8 +8,8 @@ on a loaded machine)."""
 from __future__ import annotations
 
 from vllm_rlt.disagg.engines import EngineHandle
+from vllm_rlt.disagg.role import Placement
 from vllm_rlt.disagg.router import _PDFlight
-from vllm_rlt.disagg.worker import Placement
 from vllm_rlt.sampling_params import SamplingParams
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from vllm_rlt.core.kv_cache_manager import KVCapacityError
 from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.disagg import protocol as msg
+from vllm_rlt.disagg.role import StreamingRole
 from vllm_rlt.disagg.transport import KVReceiver
-from vllm_rlt.disagg.worker import StreamingRole
 from vllm_rlt.request import Request
 
 

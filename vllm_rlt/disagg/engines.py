@@ -22,7 +22,8 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 
 from vllm_rlt.config import ConfigError, EngineConfig
 from vllm_rlt.disagg import protocol as msg
-from vllm_rlt.disagg.worker import Placement, engine_main
+from vllm_rlt.disagg.role import Placement
+from vllm_rlt.disagg.worker import engine_main
 from vllm_rlt.serve_config import AUTHKEY_ENV, DisaggConfig
 
 START_TIMEOUT_S = 300.0  # most seconds the engines get to connect, load and join the group

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.disagg import protocol as msg
+from vllm_rlt.disagg.role import Role
 from vllm_rlt.disagg.transport import KVSender
-from vllm_rlt.disagg.worker import _Role
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import RequestStatus
 
@@ -31,7 +31,7 @@ class _Job:
     done_at: float | None = None  # when the last chunk completed its final depth
 
 
-class PrefillRole(_Role):
+class PrefillRole(Role):
     def __init__(self, engine, place, conn, groups, via_host: bool):
         super().__init__(engine, place, conn)
         rank = place.rank

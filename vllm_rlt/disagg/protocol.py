@@ -183,7 +183,7 @@ class Join:
 @dataclass(frozen=True)
 class Assign:
     """front end -> remote engine: what to run (then the engine answers Ready or StartFailed).
-    `place` is a worker.Placement, `config` an EngineConfig, `disagg` a DisaggConfig."""
+    `place` is a role.Placement, `config` an EngineConfig, `disagg` a DisaggConfig."""
 
     place: object
     config: object

@@ -5,7 +5,7 @@ outputs."""
 from __future__ import annotations
 
 from vllm_rlt.disagg import protocol as msg
-from vllm_rlt.disagg.worker import StreamingRole
+from vllm_rlt.disagg.role import StreamingRole
 
 
 class ReplicaRole(StreamingRole):

@@ -1,2 +1,3 @@
-"""User entry points: the `vllm-rlt` command line (serve, generate, bench, inspect, pd-engine),
-the offline `LLM` API and the OpenAI-compatible server (`openai/`)."""
+"""User entry points: the `vllm-rlt` command line (serve, generate, bench, inspect,
+calibrate-kv-scales, pd-engine), the offline `LLM` API and the OpenAI-compatible server
+(`openai/`)."""
