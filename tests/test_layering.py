@@ -174,6 +174,14 @@ def test_a_planted_loop_is_found():
     assert ["vllm_rlt.core.block_pool", "vllm_rlt.core.kv_cache_manager"] in import_loops(sources)
 
 
+def test_the_plan_depends_on_nothing_of_the_scheduler():
+    """Only the plan crosses from scheduler to runner: `execution_batch` (the plan's types)
+    imports no module of the package, so none of the scheduler's state comes with it."""
+    path = PACKAGE / "core" / "sched" / "execution_batch.py"
+    known = set(package_sources())
+    assert all_imports("vllm_rlt.core.sched.execution_batch", path.read_text(), known) == set()
+
+
 def test_the_scheduler_side_imports_no_torch():
     wrong = []
     for path, name in modules():

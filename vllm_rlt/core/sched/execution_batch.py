@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 
-from vllm_rlt.request import Request
-
 
 class RowKind(str, Enum):
     PREFILL = "prefill"
@@ -115,26 +113,6 @@ class NewRequestData:
     resume_token: int | None = None
     # loops each fed-back output position runs (they follow the prompt in prompt_token_ids)
     resumed_loops: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, req: Request, ring_slots: int, chunk_size: int) -> NewRequestData:
-        """What the runner needs of `req` as it is admitted (or resumed)."""
-        params, outputs = req.sampling_params, req.output_token_ids
-        return cls(
-            request_id=req.request_id,
-            prompt_token_ids=tuple(req.prefill_token_ids()),
-            ring_slots=ring_slots,
-            chunk_size=chunk_size,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=req.seed,
-            num_logprobs=-1 if params.logprobs is None else params.logprobs,
-            num_prompt_logprobs=-1 if req.prompt_logprobs is None else params.prompt_logprobs,
-            init_scale=1.0 if params.init_scale is None else params.init_scale,
-            resume_token=outputs[-1] if outputs else None,
-            resumed_loops=tuple(req.output_exit_depths[1 : req.resume_tokens + 1]),
-        )
 
 
 @dataclass(frozen=True)

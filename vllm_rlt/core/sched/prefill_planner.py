@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from vllm_rlt.config import KVLayout, SchedulerConfig
-from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
+from vllm_rlt.core.sched.execution_batch import NewRequestData, RowKind, ScheduledRequest
 from vllm_rlt.request import PrefillPiece, Request
 
 _ENTRY = None  # marks a request's depth-0 entry of new positions among the candidates
@@ -56,6 +56,25 @@ class _ChunkedPlanner:
         sized for this many; an invocation with more, such as one long prompt's many chunks,
         runs in a larger graph or eagerly)."""
         return max_num_seqs * (min(self.ring_slots, self.num_loops) + 1)
+
+    def new_request(self, req: Request) -> NewRequestData:
+        """What the runner needs of `req` as it is admitted (or resumed)."""
+        params, outputs = req.sampling_params, req.output_token_ids
+        return NewRequestData(
+            request_id=req.request_id,
+            prompt_token_ids=tuple(req.prefill_token_ids()),
+            ring_slots=self.ring_slots,
+            chunk_size=self.chunk_size,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=req.seed,
+            num_logprobs=-1 if params.logprobs is None else params.logprobs,
+            num_prompt_logprobs=-1 if req.prompt_logprobs is None else params.prompt_logprobs,
+            init_scale=1.0 if params.init_scale is None else params.init_scale,
+            resume_token=outputs[-1] if outputs else None,
+            resumed_loops=tuple(req.output_exit_depths[1 : req.resume_tokens + 1]),
+        )
 
     def row_offset(self, token_start: int) -> int:
         """Row of `token_start` in its request's ring: slot * chunk_size + offset in the chunk."""

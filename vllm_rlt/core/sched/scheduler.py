@@ -234,8 +234,7 @@ class Scheduler:
             req.num_prefilled_tokens = req.prefill_reclaimable_tokens = hit.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            planner = self.planner
-            self._new.append(NewRequestData.of(req, planner.ring_slots, planner.chunk_size))
+            self._new.append(self.planner.new_request(req))
         return admitted
 
     def add_prefilled(self, req: Request, first: SampledToken) -> None:
@@ -257,7 +256,7 @@ class Scheduler:
         if req.status.finished:
             return
         self.kv.mark_changed(req.request_id)
-        self._new.append(NewRequestData.of(req, self.planner.ring_slots, self.planner.chunk_size))
+        self._new.append(self.planner.new_request(req))
         self._start_decoding(req)
 
     def _count_prefix(self, queried: int, found: int) -> None:
