@@ -19,6 +19,7 @@ from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.disagg.role import StreamingRole
 from vllm_rlt.disagg.transport import KVReceiver
+from vllm_rlt.engine.stats import EngineSnapshot
 from vllm_rlt.request import Request
 
 
@@ -44,8 +45,8 @@ class DecodeRole(StreamingRole):
         self.imports: dict[int, _Import] = {}
         self.to_reserve: deque[int] = deque()
 
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + len(self.imports)
+    def num_waiting(self, snapshot: EngineSnapshot) -> int:
+        return snapshot.num_waiting + len(self.imports)
 
     def handle(self, message) -> None:
         if isinstance(message, msg.Expect):

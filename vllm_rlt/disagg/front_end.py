@@ -32,12 +32,12 @@ from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.disagg.engines import EngineHandle, join_all, start_engines
 from vllm_rlt.engine.async_engine import (
     EngineDeadError,
-    EngineSnapshot,
     EngineStoppedError,
     QueueFullError,
     RequestFailedError,
     RequestStream,
 )
+from vllm_rlt.engine.stats import EngineSnapshot
 from vllm_rlt.models.hub import resolve_model_dir
 from vllm_rlt.models.loader import read_config, read_tokenizer
 from vllm_rlt.sampling_params import SamplingParams

@@ -18,6 +18,7 @@ import torch
 
 from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.engine.stats import EngineSnapshot
 
 IDLE_WAIT_S = 0.002  # longest wait for a message while the engine has nothing to run
 STATUS_INTERVAL_S = 0.05  # shortest time between two Status messages
@@ -74,8 +75,8 @@ class Role:
     def after_step(self, outputs) -> None:
         raise NotImplementedError
 
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+    def num_waiting(self, snapshot: EngineSnapshot) -> int:
+        return snapshot.num_waiting
 
     def admit(self, order) -> bool:
         """Add the request of `order` (a `Prefill` or `Generate`) to the engine; one the engine
@@ -107,8 +108,8 @@ class Role:
                 self._report()
 
     def _report(self, force: bool = False) -> None:
-        kv, sched = self.engine.kv_manager, self.engine.scheduler
-        gauges = (len(sched.running), self.num_waiting(), kv.num_free_blocks, kv.num_total_blocks)
+        s = self.engine.snapshot()
+        gauges = (s.num_running, self.num_waiting(s), s.num_free_blocks, s.num_total_blocks)
         now = time.monotonic()
         if force or gauges != self._last_status and now - self._status_at >= STATUS_INTERVAL_S:
             self.conn.send(msg.Status(self.place.rank, *gauges))

@@ -16,12 +16,12 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import torch
 
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.engine.stats import EngineSnapshot
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import RequestStatus
 from vllm_rlt.sampling_params import SamplingParams
@@ -43,22 +43,6 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """A fault of this request ended it (finish_reason "error"); other requests go on."""
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine gauges read on the loop between steps (safe to read from anywhere)."""
-
-    num_running: int = 0  # requests (samples) running
-    num_waiting: int = 0  # requests (samples) waiting for admission
-    kv_usage: float = 0.0  # fraction of KV blocks in use
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    kv_plane_usage: tuple[float, ...] = ()  # per KV plane: its blocks in use / all blocks
-    num_preemptions: int = 0  # requests preempted so far (their KV freed, recomputed later)
-    prefix_cache_queries: int = 0  # prompt positions looked up in the prefix cache
-    prefix_cache_hits: int = 0  # prompt positions found there
-    stats: dict[str, float] = field(default_factory=dict)  # LLMEngine.stats_dict()
 
 
 def _copy(out: RequestOutput) -> RequestOutput:
@@ -246,19 +230,7 @@ class AsyncLLMEngine:
             self._refresh_snapshot()
 
     def _refresh_snapshot(self) -> None:
-        sched, kv = self.engine.scheduler, self.engine.kv_manager
-        self.snapshot = EngineSnapshot(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            kv_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_total_blocks,
-            kv_plane_usage=tuple(n / kv.num_total_blocks for n in kv.pool.plane_usage()),
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=sched.prefix_queries,
-            prefix_cache_hits=sched.prefix_hits,
-            stats=self.engine.stats_dict(),
-        )
+        self.snapshot = self.engine.snapshot()
 
     def _fail(self, error: EngineDeadError, cause: BaseException | None = None) -> None:
         if self.error is None:

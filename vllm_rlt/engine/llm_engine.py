@@ -34,7 +34,7 @@ from vllm_rlt.engine.kv_sizing import (
     resolve_max_model_len,
 )
 from vllm_rlt.engine.output_processor import OutputProcessor
-from vllm_rlt.engine.stats import EngineStats
+from vllm_rlt.engine.stats import EngineSnapshot, EngineStats
 from vllm_rlt.models import registry
 from vllm_rlt.models.hub import resolve_model_dir
 from vllm_rlt.models.loader import LoadedModel, load_model, read_config
@@ -291,6 +291,22 @@ class LLMEngine:
         (`SpecPlanner.as_dict()`)."""
         spec = self.scheduler.spec
         return {**self.stats.as_dict(), **(spec.as_dict() if spec is not None else {})}
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's gauges and counters now (read between steps)."""
+        sched, kv = self.scheduler, self.kv_manager
+        return EngineSnapshot(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            kv_plane_usage=tuple(n / kv.num_total_blocks for n in kv.pool.plane_usage()),
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_queries,
+            prefix_cache_hits=sched.prefix_hits,
+            stats=self.stats_dict(),
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -1,5 +1,6 @@
-"""Engine counters (invocations, rows, tasks, depth mix, loops per token) and an optional trace
-of which tasks ran in which invocation (for the wavefront picture)."""
+"""Engine counters (invocations, rows, tasks, depth mix, loops per token), an optional trace
+of which tasks ran in which invocation (for the wavefront picture), and the gauges an engine
+reports between steps (`EngineSnapshot`)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,19 @@ class EngineStats:
             "loops_per_token": ratio(self.generated_loops, self.generated_tokens),
             **{f"rows_at_depth_{d}": n for d, n in sorted(self.depth_rows.items())},
         }
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges read on the loop between steps (safe to read from anywhere)."""
+
+    num_running: int = 0  # requests (samples) running
+    num_waiting: int = 0  # requests (samples) waiting for admission
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_plane_usage: tuple[float, ...] = ()  # per KV plane: its blocks in use / all blocks
+    num_preemptions: int = 0  # requests preempted so far (their KV freed, recomputed later)
+    prefix_cache_queries: int = 0  # prompt positions looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt positions found there
+    stats: dict[str, float] = field(default_factory=dict)  # LLMEngine.stats_dict()
