@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from vllm_rlt.core.kv_cache_manager import KVCapacityError
 from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.disagg import protocol as msg
 from vllm_rlt.disagg.role import StreamingRole
@@ -40,8 +39,8 @@ class DecodeRole(StreamingRole):
         super().__init__(engine, place, conn)
         rank = place.rank
         peers = {p: g for (p, d), g in groups.items() if d == rank}
-        kv = engine.kv_manager
-        self.receiver = KVReceiver(engine.runner.kv_cache, peers, kv.num_planes, via_host)
+        handoff = engine.handoff
+        self.receiver = KVReceiver(handoff.kv_cache, peers, handoff.num_planes, via_host)
         self.imports: dict[int, _Import] = {}
         self.to_reserve: deque[int] = deque()
 
@@ -74,13 +73,12 @@ class DecodeRole(StreamingRole):
         imp = self.imports.pop(handle, None)
         if imp is not None:
             if imp.reserved:
-                self.engine.kv_manager.free(imp.req.request_id)
+                self.engine.handoff.release(imp.req.request_id)
             return
         self.abort_active(handle)
 
     def poll_links(self) -> None:
         self._reserve()
-        kv = self.engine.kv_manager
         for chunk in self.receiver.poll():
             imp = self.imports.get(chunk.handle)
             if imp is None:
@@ -88,10 +86,7 @@ class DecodeRole(StreamingRole):
             req_id = imp.req.request_id
             if chunk.num_blocks:
                 end = chunk.first_block + chunk.num_blocks
-                planes = [
-                    list(kv.block_table(req_id, p)[chunk.first_block : end])
-                    for p in range(kv.num_planes)
-                ]
+                planes = self.engine.handoff.block_tables(req_id, chunk.first_block, end)
                 self.receiver.write(chunk, planes)
             if imp.first_chunk_at is None:
                 imp.first_chunk_at = chunk.arrived_at
@@ -104,35 +99,24 @@ class DecodeRole(StreamingRole):
         self._start()
 
     def _reserve(self) -> None:
-        kv = self.engine.kv_manager
-        watermark = kv.num_total_blocks // 100
         while self.to_reserve:
             imp = self.imports.get(self.to_reserve[0])
             if imp is None:
                 self.to_reserve.popleft()
                 continue
-            req, n = imp.req, imp.req.num_prompt_tokens
-            hit = kv.find_prefix(req.prompt_token_ids, n - 1)
-            if kv.blocks_for(n) - kv.blocks_for(hit.num_tokens) + watermark > kv.num_free_blocks:
-                return
-            kv.attach(req.request_id, hit)
-            try:
-                kv.reserve(req.request_id, n)
-            except KVCapacityError:  # cached blocks of the hit were among the free ones
-                kv.free(req.request_id)
+            skip = self.engine.handoff.reserve(imp.req)
+            if skip is None:
                 return
             self.to_reserve.popleft()
             imp.reserved = True
-            skip = hit.num_tokens // kv.block_size
             self.conn.send(msg.Reserved(imp.expect.handle, skip))
 
     def _start(self) -> None:
         """Start decoding the requests whose KV and first token arrived, while seats allow."""
-        sched = self.engine.scheduler
         for handle, imp in list(self.imports.items()):
             if not imp.complete or imp.first is None:
                 continue
-            if len(sched.running) >= sched.config.max_num_seqs:
+            if not self.engine.handoff.has_seat():
                 return
             del self.imports[handle]
             self.conn.send(msg.Imported(handle, imp.first_chunk_at, imp.num_chunks, imp.num_bytes))

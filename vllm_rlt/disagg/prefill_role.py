@@ -36,7 +36,7 @@ class PrefillRole(Role):
         super().__init__(engine, place, conn)
         rank = place.rank
         peers = {d: g for (p, d), g in groups.items() if p == rank}
-        self.sender = KVSender(engine.runner.kv_cache, peers, via_host)
+        self.sender = KVSender(engine.handoff.kv_cache, peers, via_host)
         self.jobs: dict[str, _Job] = {}
         self.by_handle: dict[int, str] = {}
 
@@ -85,18 +85,14 @@ class PrefillRole(Role):
 
     def _send_completed(self, req_id: str, job: _Job) -> None:
         """Send the blocks of `req_id` whose positions completed every depth since last time."""
-        req = self.engine.scheduler.requests.get(req_id)
-        if req is None or req.status is not RequestStatus.RUNNING:
+        blocks = self.engine.handoff.completed_blocks(req_id)
+        if blocks is None:
             return  # waiting, or preempted: what was sent stays valid, the rest comes later
-        kv = self.engine.kv_manager
-        prompt_len = req.num_prompt_tokens
-        total = -(-prompt_len // kv.block_size)
-        done = min(req.prefill_reclaimable_tokens, prompt_len)
-        complete = total if done == prompt_len else done // kv.block_size
+        complete, total = blocks
         if complete <= job.sent_blocks and complete < total:
             return
         first = job.sent_blocks
-        planes = [list(kv.block_table(req_id, p)[first:complete]) for p in range(kv.num_planes)]
+        planes = self.engine.handoff.block_tables(req_id, first, complete)
         last = complete == total
         self.sender.send(job.order.decode_rank, job.order.handle, first, planes, last)
         job.sent_blocks = complete

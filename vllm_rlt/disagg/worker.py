@@ -69,7 +69,7 @@ def engine_main(
 
 def _pd_role(engine: LLMEngine, place: Placement, disagg: DisaggConfig, conn: Connection):
     """Join the PD engines' process group; the prefill or decode role of engine `place`."""
-    kv_device = engine.runner.kv_cache.kv.device
+    kv_device = engine.handoff.kv_cache.kv.device
     backend = transport_backend(disagg, kv_device, place.world_size)
     if backend == "nccl":
         torch.cuda.set_device(kv_device)

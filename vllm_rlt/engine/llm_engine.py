@@ -27,6 +27,7 @@ from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken, St
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.scheduler import Scheduler
+from vllm_rlt.engine.kv_handoff import KVHandoff
 from vllm_rlt.engine.kv_sizing import (
     kv_cache_dtype,
     log_kv_cache,
@@ -170,6 +171,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs
         )
+        self.handoff = KVHandoff(self.scheduler, self.kv_manager, kv_cache)  # PD's seam
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, StepOutput] | None = None
@@ -294,19 +296,7 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges and counters now (read between steps)."""
-        sched, kv = self.scheduler, self.kv_manager
-        return EngineSnapshot(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            kv_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_total_blocks,
-            kv_plane_usage=tuple(n / kv.num_total_blocks for n in kv.pool.plane_usage()),
-            num_preemptions=sched.num_preemptions,
-            prefix_cache_queries=sched.prefix_queries,
-            prefix_cache_hits=sched.prefix_hits,
-            stats=self.stats_dict(),
-        )
+        return EngineSnapshot.of(self.scheduler, self.kv_manager, self.stats_dict())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -94,3 +94,19 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # prompt positions looked up in the prefix cache
     prefix_cache_hits: int = 0  # prompt positions found there
     stats: dict[str, float] = field(default_factory=dict)  # LLMEngine.stats_dict()
+
+    @classmethod
+    def of(cls, scheduler, kv, stats: dict[str, float]) -> EngineSnapshot:
+        """The gauges of a `Scheduler` and its `KVCacheManager` now, with `stats`."""
+        return cls(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            kv_plane_usage=tuple(n / kv.num_total_blocks for n in kv.pool.plane_usage()),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_queries,
+            prefix_cache_hits=scheduler.prefix_hits,
+            stats=stats,
+        )
