@@ -157,6 +157,7 @@ class LLMEngine:
             atomic_prefill=self.model.requires_atomic_prefill,
             speculative=config.speculative,
             device_runs=run_state is not None,
+            planner=planner,
         )
         graphs, runs = None, None
         max_context = min(self.max_model_len, per_plane)

@@ -326,15 +326,11 @@ class ModelRunner:
         return None, meta, index, buffer[index]
 
     def _rows(self, span: StateSpan, mirror: _Mirror) -> np.ndarray:
-        """Flat hidden-state rows of a span: ring rows from the span's offset (prompt rows, where
-        None means derived on the chunk grid; a speculative window's rows, at the ring's start);
-        other rows past the prompt, the request's decode row."""
+        """Flat hidden-state rows of a span: ring rows from the span's offset (prompt rows, a
+        speculative window's rows), else the request's decode row."""
         offset = span.prefill_hidden_row_offset
-        if offset is None and span.token_start >= len(mirror.data.prompt_token_ids):
-            return np.array([self.states.decode_row(mirror.slot)])
         if offset is None:
-            c, slots = mirror.data.chunk_size, mirror.data.ring_slots
-            offset = (span.token_start // c) % slots * c + span.token_start % c
+            return np.array([self.states.decode_row(mirror.slot)])
         return self.states.ring_row(mirror.slot, offset) + np.arange(span.num_tokens)
 
 

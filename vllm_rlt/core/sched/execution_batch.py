@@ -87,8 +87,9 @@ class StateSpan:
     request_id: str  # owner of the rows
     token_start: int  # first position
     num_tokens: int  # rows
-    # ring row of token_start for prompt rows and speculative windows (None: derived on the
-    # chunk grid); other rows past the prompt live in the request's decode row
+    # ring row of token_start for prompt rows and speculative windows (the prefill planner's
+    # `row_offset`, the one place the ring's geometry is computed); None: a decode row, which
+    # lives in the request's decode row
     prefill_hidden_row_offset: int | None
 
 

@@ -42,7 +42,7 @@ from vllm_rlt.core.sched.execution_batch import (
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.kv_demand import kv_demand
 from vllm_rlt.core.sched.loop_rules import LoopRules
-from vllm_rlt.core.sched.prefill_planner import make_planner
+from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner, make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
@@ -58,17 +58,20 @@ class Scheduler:
         atomic_prefill: bool = False,
         speculative: SpeculativeConfig | None = None,
         device_runs: bool = False,
+        planner: SplitPlanner | WavefrontPlanner | None = None,
     ):
         """`atomic_prefill`: the model needs every prefill batch to run all its loops (Huginn):
         mixed scheduling then always keeps decode rows and prefill apart (R7). `speculative`:
         self-speculative decoding settings (None or 0 drafts: off). `device_runs`: the model's
-        decode rows can cross token boundaries on the device (device_runs.py)."""
+        decode rows can cross token boundaries on the device (device_runs.py). `planner`: the
+        prefill planner `make_planner` gives for these settings, when the caller has built it
+        already (the engine sizes the runner's buffers from its ring)."""
         self.config = config
         self.atomic_prefill = atomic_prefill
         self.kv = kv_manager
         self.exit_policy = exit_policy
         self.num_loops = num_loops
-        self.planner = make_planner(config, kv_manager.layout, num_loops)
+        self.planner = planner or make_planner(config, kv_manager.layout, num_loops)
         self.spec = None
         if speculative is not None and speculative.num_speculative_tokens:
             self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
