@@ -30,6 +30,7 @@ from tools.eval_tiny_ouro import compare, held_out_prompts, run_mode
 from tools.stdlib_corpus import held_out_files, split_of, stdlib_files
 from vllm_rlt.entrypoints import calibrate_cmd
 from vllm_rlt.entrypoints.llm import LLM
+from vllm_rlt.models.loader import kv_scale_names
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -58,8 +59,8 @@ def perplexity(llm: LLM, windows: list[list[int]]) -> dict:
 
 
 def cache_amax(llm: LLM) -> dict:
-    kv = llm.engine.runner.kv_cache.kv.float()  # [L, 2, blocks, block_size, Hkv, d]
-    return {"k": float(kv[:, 0].abs().amax()), "v": float(kv[:, 1].abs().amax())}
+    peaks = llm.engine.runner.kv_cache.amax()  # (|K|, |V|) per layer
+    return {"k": max(k for k, _ in peaks), "v": max(v for _, v in peaks)}
 
 
 def calibrated_copy(args, tmp: Path) -> Path:
@@ -69,7 +70,7 @@ def calibrated_copy(args, tmp: Path) -> Path:
     texts = [(root / f).read_text(encoding="utf-8", errors="replace") for f in valid]
     llm = LLM(device=args.device, dtype=args.dtype, kv_cache_memory_gb=1.0)
     scales = calibrate_cmd.measure(llm, texts, args.window, args.headroom)
-    names = llm.engine.model.kv_scale_names()
+    names = kv_scale_names(llm.engine.model)
     calibrate_cmd.write_scaled_copy(llm.engine.model_dir, tmp / "calibrated", names, scales)
     return tmp / "calibrated"
 

@@ -108,10 +108,14 @@ class Role:
                 self._report()
 
     def _report(self, force: bool = False) -> None:
+        """Send the gauges when they changed, at most every STATUS_INTERVAL_S (or `force`);
+        inside the interval nothing is read."""
+        now = time.monotonic()
+        if not force and now - self._status_at < STATUS_INTERVAL_S:
+            return
         s = self.engine.snapshot()
         gauges = (s.num_running, self.num_waiting(s), s.num_free_blocks, s.num_total_blocks)
-        now = time.monotonic()
-        if force or gauges != self._last_status and now - self._status_at >= STATUS_INTERVAL_S:
+        if force or gauges != self._last_status:
             self.conn.send(msg.Status(self.place.rank, *gauges))
             self._last_status, self._status_at = gauges, now
 

@@ -45,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vllm_rlt.entrypoints.llm import LLM
+    from vllm_rlt.models.loader import kv_scale_names
 
     try:
         if args.headroom < 1.0 or args.window < 2:
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]
         given = cli_args.config_kwargs(args, [ModelConfig, CacheConfig])
         llm = LLM(args.model, kv_cache_dtype="auto", **given)
-        names = getattr(llm.engine.model, "kv_scale_names", list)()
+        names = kv_scale_names(llm.engine.model)
         if not names:
             raise ValueError(f"{type(llm.engine.model).__name__} reads no KV scales")
         scales = measure(llm, texts, args.window, args.headroom)

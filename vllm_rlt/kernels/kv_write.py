@@ -8,9 +8,11 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
-from vllm_rlt.kernels.kv_format import KVLayer
+from vllm_rlt.kernels.kv_format import FP8_MAX, KVLayer
 
-_INTERPRET = tl.constexpr(INTERPRET)  # a global a kernel reads must be a constexpr
+# globals a kernel reads must be constexprs
+_INTERPRET = tl.constexpr(INTERPRET)
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -40,7 +42,7 @@ def stored(x, scale, cache_ptr, FP8_CACHE: tl.constexpr):
     """x as `cache_ptr`'s elements store it (`kv_format.quantize`)."""
     dt = cache_ptr.dtype.element_ty
     if FP8_CACHE:
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -_FP8_MAX), _FP8_MAX)
         if _INTERPRET:
             return _e4m3_bits(y).to(dt, bitcast=True)
         return y.to(dt)

@@ -214,7 +214,7 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
     files = checkpoint_files(model_dir)
     # tensors a checkpoint may hold beside the parameters (a tied head's copy, a RoPE table)
     optional = set(getattr(model, "optional_checkpoint_tensors", ())) & set(files)
-    scale_names = set(_kv_scale_names(model))  # read by read_kv_scales
+    scale_names = {name for pair in kv_scale_names(model) for name in pair}  # read_kv_scales
     problems = []
     missing = sorted(set(params) - set(files))
     unexpected = sorted(set(files) - set(params) - optional - scale_names)
@@ -254,9 +254,10 @@ def load_safetensors(model: torch.nn.Module, model_dir: Path) -> None:
         raise CheckpointError(f"checkpoint in {model_dir}: " + "; ".join(problems))
 
 
-def _kv_scale_names(model: torch.nn.Module) -> list[str]:
-    """The checkpoint names of the KV scales `model` reads (K then V of each KV layer)."""
-    return [name for pair in getattr(model, "kv_scale_names", lambda: [])() for name in pair]
+def kv_scale_names(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """The checkpoint names of the (K, V) scales of each KV layer `model` reads (none for a
+    model without `kv_scale_names`, such as Huginn)."""
+    return getattr(model, "kv_scale_names", list)()
 
 
 def read_kv_scales(
@@ -265,7 +266,7 @@ def read_kv_scales(
     """The checkpoint's (k_scale, v_scale) of each KV layer (scalars, as FP8 checkpoints store
     them), or None when it has none; some but not all, or a scale that is not a positive finite
     scalar, raises CheckpointError."""
-    names = _kv_scale_names(model)
+    names = [name for pair in kv_scale_names(model) for name in pair]
     files = checkpoint_files(model_dir)
     present = [name for name in names if name in files]
     if not present:

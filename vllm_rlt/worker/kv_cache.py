@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_rlt.kernels.kv_format import KVLayer
+from vllm_rlt.kernels.kv_format import FP8, KVLayer
 
 
 class DeviceKVCache:
@@ -73,9 +73,14 @@ class DeviceKVCache:
         return KVLayer(self.kv[index, 0], self.kv[index, 1], *self.scales[index])
 
     def amax(self) -> list[tuple[float, float]]:
-        """The largest |K| and |V| each layer holds (every block and plane; FP8 as stored)."""
-        peaks = self.kv.float().abs().amax(dim=(2, 3, 4, 5))  # [L, 2]
-        return [(float(k), float(v)) for k, v in peaks.tolist()]
+        """The largest |K| and |V| each layer holds (every block and plane; FP8 as stored),
+        reduced in place a layer's K or V at a time (no copy of the cache)."""
+
+        def peak(t: torch.Tensor) -> float:
+            t = t.float() if t.dtype == FP8 else t  # FP8 has no min/max reductions on the CPU
+            return max(float(t.amax()), -float(t.amin()))
+
+        return [(peak(self.kv[i, 0]), peak(self.kv[i, 1])) for i in range(self.kv.shape[0])]
 
     @property
     def bytes(self) -> torch.Tensor:
