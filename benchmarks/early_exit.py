@@ -36,10 +36,10 @@ import numpy as np
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import run_meta
 from benchmarks.wcpb_matrix import release_device_memory
-from vllm_rlt.benchmarks.metrics import engine_counters
-from vllm_rlt.benchmarks.throughput import run_requests
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.bench.metrics import engine_counters
+from vllm_rlt.entrypoints.bench.throughput import run_requests
 from vllm_rlt.models.loader import load_model
 
 # configuration -> (exit mode, per-request sampling settings given the threshold and depth)

@@ -1,6 +1,6 @@
 """What an FP8 KV cache costs in accuracy on the packaged model (`docs/benchmarks/fp8-kv.md`).
 
-    python -m benchmarks.fp8_kv --out docs/benchmarks/fp8-kv/accuracy.json
+    python -m benchmarks.fp8_kv --out benchmarks/results/fp8-kv/accuracy.json
 
 Three engines over the packaged tiny Ouro with the same settings, running the same requests in
 the same order: `kv_cache_dtype` `auto` (the model's dtype), `fp8` at scale 1.0 (the checkpoint

@@ -39,9 +39,9 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
 from benchmarks.wcpb_matrix import release_device_memory
-from vllm_rlt.benchmarks.metrics import percentiles
 from vllm_rlt.config import CacheConfig, EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.bench.metrics import percentiles
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.sampling_params import SamplingParams
 

@@ -25,10 +25,10 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import run_meta
 from benchmarks.wcpb_matrix import add_async_scheduling_flag
-from vllm_rlt.benchmarks.metrics import device_time_by_name, gpu_busy_seconds, summarize
-from vllm_rlt.benchmarks.throughput import run_requests
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.bench.metrics import device_time_by_name, gpu_busy_seconds, summarize
+from vllm_rlt.entrypoints.bench.throughput import run_requests
 from vllm_rlt.sampling_params import SamplingParams
 
 

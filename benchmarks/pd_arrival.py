@@ -4,7 +4,8 @@ arrivals, through the OpenAI server (docs/serving.md §7-8).
 For each setup a `vllm-rlt serve` process starts on a free port: `single` (one engine), `pd`
 (`--pd-prefill 1 --pd-decode 1`), `replicas` (`--data-parallel-size 2`); on CUDA engine k runs
 on GPU k % num_gpus. Each (rate, prompt length) then replays the arrival profile over HTTP
-(`vllm_rlt.benchmarks.drivers.run_http`: streamed completions, greedy, EOS ignored) and reports
+(`vllm_rlt.entrypoints.bench.drivers.run_http`: streamed completions, greedy, EOS ignored) and
+reports
 request throughput, TTFT / ITL percentiles and, from `/metrics` before and after, the KV
 transfer counters (volume, and how long transfers ran ahead of the end of prefill). Model: a
 shape with dummy weights at fixed depth; WCPB with `--chunk` on every engine.
@@ -31,10 +32,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.model_shapes import SHAPES, write_shape
 from benchmarks.provenance import commit, engine_digest
-from vllm_rlt.benchmarks.drivers import run_http
-from vllm_rlt.benchmarks.metrics import summarize
-from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.disagg.engines import free_port
+from vllm_rlt.entrypoints.bench.drivers import run_http
+from vllm_rlt.entrypoints.bench.metrics import summarize
+from vllm_rlt.entrypoints.bench.workload import build_workload
 
 SETUPS = {
     "single": [],

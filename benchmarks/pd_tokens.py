@@ -29,7 +29,7 @@ import httpx
 
 from benchmarks.model_shapes import SHAPES, write_shape
 from benchmarks.pd_arrival import SETUPS, Server, engine_flags, run_meta
-from vllm_rlt.benchmarks.workload import Workload, build_workload
+from vllm_rlt.entrypoints.bench.workload import Workload, build_workload
 
 REFERENCE = "single"
 

@@ -21,8 +21,8 @@ Two floors: the phases' floors added (each the larger of its compute and memory)
 whose prefill and decode run in separate invocations, and the larger of the whole run's compute
 and memory, for one that hides either completely under the other.
 
-    python -m benchmarks.roofline docs/benchmarks/wcpb-matrix/arrival/results.json
-    python -m benchmarks.roofline --offline docs/benchmarks/offline-throughput/run1.json
+    python -m benchmarks.roofline benchmarks/results/wcpb-matrix/arrival/results.json
+    python -m benchmarks.roofline --offline benchmarks/results/offline-throughput/run1.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 from benchmarks.model_shapes import SHAPES
 from benchmarks.wcpb_matrix import INPUTS, MODES, PROFILES
-from vllm_rlt.benchmarks.workload import build_workload
+from vllm_rlt.entrypoints.bench.workload import build_workload
 
 # Measured on the H200 (docs/benchmarks/README.md §4)
 COPY_GBPS = 4245.8

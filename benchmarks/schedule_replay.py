@@ -21,12 +21,12 @@ from pathlib import Path
 
 from benchmarks.wcpb_matrix import INPUTS, MODES, add_async_scheduling_flag, mode_settings
 from vllm_rlt.attention.metadata import tile_rows_for
-from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
+from vllm_rlt.entrypoints.bench.workload import build_workload
 from vllm_rlt.request import ExitSettings, Request
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.graph_tables import graph_specs, select_spec

@@ -32,8 +32,8 @@ import numpy as np
 
 from benchmarks.schedule_replay import DEPTH, make_request, make_scheduler
 from benchmarks.wcpb_matrix import CYCLED, INPUTS, MODES, PROFILES, cells
-from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
+from vllm_rlt.entrypoints.bench.workload import build_workload
 
 SAMPLE_MS = 0.1
 

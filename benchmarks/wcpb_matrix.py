@@ -27,7 +27,7 @@ scheduling with one chunk = the budget. `--profiles` and `--inputs` pick the cel
 long-prompt mix (docs/benchmarks/long-prompts.md):
 
     python -m benchmarks.wcpb_matrix --inputs long --profiles concurrent arrival \
-        --modes unchunked split wcpb --out-dir docs/benchmarks/long-prompts
+        --modes unchunked split wcpb --out-dir benchmarks/results/long-prompts
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
-from vllm_rlt.benchmarks.drivers import gpu_activity, run_inprocess
-from vllm_rlt.benchmarks.metrics import engine_counters, summarize
-from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.config import EngineConfig, SchedulerConfig
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.bench.drivers import gpu_activity, run_inprocess
+from vllm_rlt.entrypoints.bench.metrics import engine_counters, summarize
+from vllm_rlt.entrypoints.bench.workload import build_workload
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.worker.invocation_timer import InvocationTimer
 

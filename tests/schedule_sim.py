@@ -1,4 +1,5 @@
-"""A random but dependency-valid driver of the paged executor, for model/kernel tests.
+"""A random but dependency-valid schedule of the model runner's rows (`PlanDriver`), for
+model/kernel tests.
 
 Each request is a token sequence with a loop count per token. Invocations mix rows of several
 requests at different depths and positions; a row (p, d) runs once its own depth d-1 is done and
@@ -10,11 +11,12 @@ skipped-depth copy right after their last loop.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from vllm_rlt.worker.paged_executor import PagedExecutor, Segment
+from vllm_rlt.core.sched.execution_batch import ScheduledRequest
+from vllm_rlt.worker.plan_driver import PlanDriver, prompt_rows
 
 
 @dataclass
@@ -58,30 +60,31 @@ def pick_rows(req: SimRequest, rng: random.Random, layout: str, budget: int):
     return picked
 
 
-def segments_of(req_id: str, rows: list[tuple[int, int]]) -> list[Segment]:
+def segments_of(req_id: str, rows: list[tuple[int, int]]) -> list[ScheduledRequest]:
     """Group (pos, depth) rows into runs of consecutive positions at one depth."""
     segs = []
     for pos, depth in sorted(rows, key=lambda r: (r[1], r[0])):
         last = segs[-1] if segs else None
         if last and last.depth == depth and last.token_start + last.num_tokens == pos:
-            segs[-1] = Segment(req_id, last.token_start, last.num_tokens + 1, depth)
+            segs[-1] = replace(last, num_tokens=last.num_tokens + 1)
         else:
-            segs.append(Segment(req_id, pos, 1, depth))
+            segs.append(prompt_rows(req_id, pos, 1, depth))
     return segs
 
 
 def run_random_schedule(
-    executor: PagedExecutor,
+    driver: PlanDriver,
     requests: list[SimRequest],
     seed: int,
     layout: str = "last_exited",
     max_rows: int = 12,
-) -> list[list[Segment]]:
+) -> list[list[ScheduledRequest]]:
     """Run every request to completion; returns the invocations (their segments)."""
     rng = random.Random(seed)
     by_id = {r.req_id: r for r in requests}
     for r in requests:
-        executor.kv_manager.reserve(r.req_id, len(r.token_ids))
+        driver.add(r.req_id, r.token_ids)
+    num_loops = driver.runner.num_loops
     history = []
     while not all(r.done(p) for r in requests for p in range(len(r.token_ids))):
         segs = []
@@ -91,29 +94,20 @@ def run_random_schedule(
                 segs += segments_of(r.req_id, pick_rows(r, rng, layout, budget))
         if not segs:
             continue
-        hidden = torch.cat([_inputs(executor, by_id[s.req_id], s) for s in segs])
-        out = executor.loop(segs, hidden)
+        hidden, gates = (t[0] for t in driver.run(segs))
         row = 0
         for s in segs:
-            req = by_id[s.req_id]
+            req = by_id[s.request_id]
             for i in range(s.num_tokens):
                 pos = s.token_start + i
-                req.states[(s.depth, pos)] = out.hidden[row + i]
-                req.gates[(s.depth, pos)] = out.gate_logits[row + i]
+                req.states[(s.depth, pos)] = hidden[row + i]
+                req.gates[(s.depth, pos)] = gates[row + i]
                 req.next_depth[pos] = s.depth + 1
-                if req.done(pos) and req.loops[pos] < executor.model.num_loops:
-                    executor.exit(req.req_id, [pos], [req.loops[pos] - 1])
+                if req.done(pos) and req.loops[pos] < num_loops:
+                    driver.exit(req.req_id, [pos], [req.loops[pos] - 1])
             row += s.num_tokens
         history.append(segs)
     return history
-
-
-def _inputs(executor: PagedExecutor, req: SimRequest, seg: Segment) -> torch.Tensor:
-    if seg.depth == 0:
-        ids = req.token_ids[seg.token_start : seg.token_start + seg.num_tokens]
-        return executor.embed(ids, seg.token_start)
-    rows = range(seg.token_start, seg.token_start + seg.num_tokens)
-    return torch.stack([req.states[(seg.depth - 1, p)] for p in rows])
 
 
 def stacked(req: SimRequest, num_loops: int, hidden_size: int):

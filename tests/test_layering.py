@@ -3,7 +3,7 @@
     leaf (config, sampling_params, request, outputs, tensor_utils)
     kernels -> attention -> models            core (no torch: the scheduler and the KV manager)
                               \\                /
-                               worker -> engine -> benchmarks (vllm-rlt bench) -> entrypoints
+                               worker -> engine -----------------------------> entrypoints
                                            \\-> disagg (prefill/decode engine processes) -/
 
 Imports under `if TYPE_CHECKING:` name types for annotations only and are not counted there;
@@ -41,10 +41,9 @@ BELOW = {
     "core": {"leaf"},
     "worker": {"leaf", "kernels", "attention", "models", "core"},
     "engine": {"leaf", "kernels", "attention", "models", "core", "worker"},
-    "benchmarks": {"leaf", "kernels", "attention", "models", "core", "worker", "engine"},
 }
 BELOW["disagg"] = BELOW["engine"] | {"engine"}
-BELOW["entrypoints"] = BELOW["benchmarks"] | {"benchmarks", "disagg"}
+BELOW["entrypoints"] = BELOW["disagg"] | {"disagg"}
 # modules that must not need torch (or Triton) at run time
 TORCH_FREE = ("core", "config", "sampling_params", "request", "outputs")
 
@@ -180,6 +179,23 @@ def test_the_plan_depends_on_nothing_of_the_scheduler():
     path = PACKAGE / "core" / "sched" / "execution_batch.py"
     known = set(package_sources())
     assert all_imports("vllm_rlt.core.sched.execution_batch", path.read_text(), known) == set()
+
+
+def test_the_runner_side_takes_only_the_plan_from_core():
+    """Only the plan crosses from scheduler to runner: of `core`, the runner side (`worker`, its
+    `plan_driver` too, which tests and `vllm-rlt inspect` run the runner through) imports the
+    plan's types alone, never the scheduler or the KV manager (imports of any kind)."""
+    sources = package_sources()
+    known = set(sources)
+    plan = "vllm_rlt.core.sched.execution_batch"
+    wrong = [
+        f"{name} imports {m}"
+        for _, name in modules()
+        if layer(name) == "worker"
+        for m in sorted(all_imports(name, sources[name], known))
+        if layer(m) == "core" and m != plan
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_scheduler_side_imports_no_torch():

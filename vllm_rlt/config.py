@@ -24,6 +24,10 @@ class KVLayout(str, Enum):
     LAST_EXITED = "last_exited"  # one plane per depth; exits copy KV into skipped planes
     SHARED = "shared"  # one plane, overwritten at every loop
 
+    def num_planes(self, num_loops: int) -> int:
+        """KV planes the layout keeps for a depth-`num_loops` loop: one per depth or one."""
+        return num_loops if self is KVLayout.LAST_EXITED else 1
+
 
 KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 QUEUE_POLICIES = ("fcfs", "priority")

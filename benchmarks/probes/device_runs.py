@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from benchmarks.model_shapes import write_shape
-from vllm_rlt.benchmarks.metrics import device_events, device_time_by_name, gpu_busy_seconds
-from vllm_rlt.benchmarks.throughput import run_requests
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.bench.metrics import device_events, device_time_by_name, gpu_busy_seconds
+from vllm_rlt.entrypoints.bench.throughput import run_requests
 
 
 def main() -> None:

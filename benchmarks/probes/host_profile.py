@@ -36,8 +36,8 @@ from benchmarks.wcpb_matrix import (
     cell_config,
     release_device_memory,
 )
-from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.entrypoints.bench.workload import build_workload
 from vllm_rlt.models.loader import load_model
 from vllm_rlt.sampling_params import SamplingParams
 

@@ -41,7 +41,7 @@ import triton
 
 from benchmarks.model_shapes import write_shape
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
-from vllm_rlt.benchmarks.metrics import device_time_by_name
+from vllm_rlt.entrypoints.bench.metrics import device_time_by_name
 from vllm_rlt.kernels.kv_format import FP8, KVLayer
 from vllm_rlt.models.loader import load_model
 

@@ -1,2 +1,2 @@
-"""The serving benchmark's former home: it is now `vllm-rlt bench serve` (vllm_rlt/benchmarks/),
-which `python -m benchmarks.serving` runs."""
+"""The serving benchmark's former home: it is now `vllm-rlt bench serve`
+(vllm_rlt/entrypoints/bench/), which `python -m benchmarks.serving` runs."""

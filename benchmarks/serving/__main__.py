@@ -1,4 +1,5 @@
-"""`python -m benchmarks.serving ARGS` is `vllm-rlt bench serve ARGS` (vllm_rlt/benchmarks/)."""
+"""`python -m benchmarks.serving ARGS` is `vllm-rlt bench serve ARGS`
+(vllm_rlt/entrypoints/bench/)."""
 
 import sys
 

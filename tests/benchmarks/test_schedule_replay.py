@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import schedule_replay
-from vllm_rlt.benchmarks.workload import build_workload
+from vllm_rlt.entrypoints.bench.workload import build_workload
 
 
 def test_replay_counts_every_mode_running_the_same_rows(tmp_path):

@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 
-from vllm_rlt.benchmarks.drivers import run_inprocess
-from vllm_rlt.benchmarks.metrics import RequestRecord, gpu_busy_seconds, summarize
-from vllm_rlt.benchmarks.workload import build_workload
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
+from vllm_rlt.entrypoints.bench.drivers import run_inprocess
+from vllm_rlt.entrypoints.bench.metrics import RequestRecord, gpu_busy_seconds, summarize
+from vllm_rlt.entrypoints.bench.workload import build_workload
 from vllm_rlt.entrypoints.cli import main
 from vllm_rlt.models.tiny import write_tiny_ouro
 

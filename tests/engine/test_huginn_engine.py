@@ -89,7 +89,7 @@ def test_greedy_zero_state_equals_reference(model_dir, mode, chunk, budget, stat
     assert got == reference_results(eng, jobs)
     assert kv_all_free(eng)
     if static:
-        assert calls and all(spec is not None for spec, _ in calls), "an invocation ran eagerly"
+        assert calls and all(inv is not None for inv, _ in calls), "an invocation ran eagerly"
 
 
 def test_prefill_is_atomic_and_prefix_caching_is_off(model_dir):

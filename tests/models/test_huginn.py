@@ -1,8 +1,8 @@
-"""The paged Huginn (prelude and coda over the edge planes, one plane per recurrence) against the
-dense reference: the state after every recurrence and the logits after the coda, whole prompts
-and chunked, with the zero initial state and with the seeded like-init noise; the config parser,
-the initial-state distribution and the loader's handling of the release's extra tensors. fp32
-on CPU."""
+"""The paged Huginn (prelude and coda over the edge planes, one plane per recurrence), run by the
+model runner (`PlanDriver`), against the dense reference: the state after every recurrence and
+the logits after the coda, whole prompts and chunked, with the zero initial state and with the
+seeded like-init noise; the config parser, the initial-state distribution and the loader's
+handling of the release's extra tensors. fp32 on CPU."""
 
 from __future__ import annotations
 
@@ -13,44 +13,26 @@ import pytest
 import torch
 
 from tests.helpers import rel_err, tiny_huginn, tiny_huginn_config, write_tiny_huginn
-from vllm_rlt.attention.metadata import build_attention_metadata
-from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.models.huginn import like_init_noise
 from vllm_rlt.models.huginn_reference import DenseHuginnReference
 from vllm_rlt.models.loader import CheckpointError, load_model
 from vllm_rlt.models.registry import UnsupportedConfigError
-from vllm_rlt.worker.edge_stages import AttendingEdges, EdgeSegment
-from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.plan_driver import PlanDriver
 
 TOL = 1e-5
 BLOCK = 4
 
 
 def paged_prefill(model, ids, chunk, seed=0, init_scale=0.0):
-    """Run a prompt chunk by chunk through prelude, every recurrence and the coda over paged KV;
-    returns the states [D, S, E] and the logits [S, V] of every position."""
-    num_loops, seq, e = model.num_loops, len(ids), model.config.n_embd
-    kv = KVCacheManager(256, BLOCK, "last_exited", num_loops, num_edge_planes=model.num_edge_planes)
-    cache = DeviceKVCache.for_model(model, 256, BLOCK)
-    kv.reserve("a", seq)
-    tables = tuple(kv.block_table("a", p) for p in range(kv.num_planes))
-    edges = AttendingEdges(model, cache, kv.num_loop_planes, tile_rows=4)
-    states, finals, segments = [[] for _ in range(num_loops)], [], []
-    for start in range(0, seq, chunk):
-        n = min(chunk, seq - start)
-        seg = EdgeSegment(start, n, tables, seed, init_scale)
-        h = edges.enter(torch.tensor(ids[start : start + n]), None, [seg])
-        for d in range(num_loops):
-            meta = build_attention_metadata([start], [n], [tables[d]], BLOCK, "cpu", 4)
-            h, gate = model.recurrent_core(h, meta, cache)
-            assert not gate.any()
-            states[d].append(h[:, :e])
-        edges.finish(h, list(range(n)), [seg])
-        finals.append(h)
-        segments.append(seg)
+    """Run a prompt chunk by chunk through the model runner (prelude, every recurrence and the
+    coda's blocks over paged KV, in tiles of 4 rows); returns the states [D, S, E] and the
+    logits [S, V] of every position."""
+    driver = PlanDriver(model, 256, BLOCK, tile_rows=4)
+    states, gates = driver.prefill_all_depths("a", ids, chunk, seed, init_scale)
+    assert not gates.any()
     # the coda again for every position (it rewrites the same K/V) gives every position's logits
-    logits = edges.logits(torch.cat(finals), segments)
-    return torch.stack([torch.cat(s) for s in states]), logits
+    logits = torch.cat([driver.logits("a", states[-1, p : p + 1], p) for p in range(len(ids))])
+    return states[..., : model.config.n_embd], logits
 
 
 @pytest.mark.parametrize("loops", [1, 4, 8])

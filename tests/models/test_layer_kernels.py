@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from tests.helpers import GQA, rel_err, tiny_model
 from vllm_rlt.models.loader import init_random_weights, load_model
 from vllm_rlt.models.tiny import write_tiny_ouro
-from vllm_rlt.worker.paged_executor import PagedExecutor
+from vllm_rlt.worker.plan_driver import PlanDriver
 
 
 def fused_groups(model):
@@ -105,7 +105,7 @@ def test_fused_model_matches_the_torch_path(device, shape, dtype, kernels):
     def run(dtype: torch.dtype, kernels: str, to_fp32: bool = False):
         model = tiny_model(6, dtype, backend, device, layer_kernels=kernels, **GQA, **shape)
         model = model.float() if to_fp32 else model
-        return PagedExecutor.create(model, 64, 4).prefill_all_depths("a", ids, 8)
+        return PlanDriver(model, 64, 4).prefill_all_depths("a", ids, 8)
 
     (fused, fused_gates), (plain, plain_gates) = run(dtype, kernels), run(dtype, "torch")
     if dtype == torch.float32:

@@ -14,7 +14,7 @@ from vllm_rlt.models.loader import CheckpointError, load_model, read_config
 from vllm_rlt.models.reference import DenseOuroReference
 from vllm_rlt.models.registry import UnsupportedConfigError
 from vllm_rlt.models.tiny import write_tiny_ouro
-from vllm_rlt.worker.paged_executor import PagedExecutor
+from vllm_rlt.worker.plan_driver import PlanDriver
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_single_file_and_shards_reproduce_the_reference(tmp_path, tiny_dir, num_
     ids = loaded.tokenizer.encode("import os\nprint(os.getcwd())").ids
     assert loaded.tokenizer.decode(ids) == "import os\nprint(os.getcwd())"
     expected = reference_logits(original.model, ids)
-    states, _ = PagedExecutor.create(loaded.model, 32, 4).prefill_all_depths("a", ids)
+    states, _ = PlanDriver(loaded.model, 32, 4).prefill_all_depths("a", ids)
     assert rel_err(loaded.model.coda(states), expected) < 1e-5
     assert loaded.model.lm_head.weight.dtype == torch.float32  # auto = fp32 on CPU
 

@@ -1,6 +1,7 @@
-"""The paged Ouro (prelude / recurrent core / coda over paged depth-aware KV) against the dense
-reference at every depth: whole prompts, chunked prompts, incremental decode with exits, and
-random invocations that mix requests, depths and positions. fp32 on CPU; both attention backends;
+"""The paged Ouro (prelude / recurrent core / coda over paged depth-aware KV), run by the model
+runner (`PlanDriver`), against the dense reference at every depth: whole prompts, chunked
+prompts, incremental decode with exits, and random invocations that mix requests, depths and
+positions. fp32 on CPU; both attention backends;
 both layer-kernel paths ("auto" is torch on CPU and fused on CUDA; "fused" on CPU runs the Triton
 kernels under the interpreter).
 """
@@ -15,7 +16,7 @@ import torch
 from tests.helpers import GQA, MHA, rel_err, tiny_model
 from tests.schedule_sim import SimRequest, run_random_schedule, stacked
 from vllm_rlt.models.reference import DenseOuroReference
-from vllm_rlt.worker.paged_executor import PagedExecutor, Segment
+from vllm_rlt.worker.plan_driver import PlanDriver, prompt_rows
 
 BACKENDS = ["torch", "triton"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -49,8 +50,8 @@ def check_against_reference(model, ids, states, gates, loops=None, layout="last_
 def test_prompt_all_depths_in_chunks(device, backend, chunk, kernels, heads):
     model = tiny_model(seed=1, backend=backend, device=device, layer_kernels=kernels, **heads)
     ids = random.Random(0).choices(range(model.config.vocab_size), k=37)
-    ex = PagedExecutor.create(model, num_blocks=64, block_size=4)
-    states, gates = ex.prefill_all_depths("a", ids, chunk)
+    driver = PlanDriver(model, num_blocks=64, block_size=4)
+    states, gates = driver.prefill_all_depths("a", ids, chunk)
     check_against_reference(model, ids, states, gates)
 
 
@@ -64,20 +65,17 @@ def test_incremental_decode_with_exits(device, backend, kernels):
     prompt = [3, 14, 15, 92, 65, 35, 89]
     decode = [79, 32, 38, 46, 26, 43]
     decode_loops = [2, 4, 1, 3, 1, 4]
-    ex = PagedExecutor.create(model, num_blocks=32, block_size=4)
-    states, gates = ex.prefill_all_depths("a", prompt)
-    ex.kv_manager.reserve("a", len(prompt) + len(decode))
+    driver = PlanDriver(model, num_blocks=32, block_size=4)
+    driver.add("a", prompt + decode)
+    states, gates = driver.run([prompt_rows("a", 0, len(prompt), 0)], loop_count=4)
     nan_state = torch.full_like(states[:, :1], float("nan"))
-    for i, (tok, loops) in enumerate(zip(decode, decode_loops, strict=True)):
+    for i, loops in enumerate(decode_loops):
         pos = len(prompt) + i
-        h = ex.embed([tok], pos)
         col_states = nan_state.clone()
         col_gates = torch.full((4, 1), float("nan"), device=device)
-        for depth in range(loops):
-            out = ex.loop([Segment("a", pos, 1, depth)], h)
-            h = out.hidden
-            col_states[depth], col_gates[depth] = h, out.gate_logits
-        ex.exit("a", [pos], [loops - 1])
+        token = driver.run([prompt_rows("a", pos, 1, 0)], loop_count=loops)
+        col_states[:loops], col_gates[:loops] = token
+        driver.exit("a", [pos], [loops - 1])
         states = torch.cat([states, col_states], 1)
         gates = torch.cat([gates, col_gates], 1)
     loops = [4] * len(prompt) + decode_loops
@@ -113,12 +111,10 @@ def test_mixed_invocations_match_reference(device, backend, layout, seed, kernel
         seed=seed, backend=backend, dtype=dtype, device=device, layer_kernels=kernels, **heads
     )
     reqs = random_requests(rng, num=4, vocab=model.config.vocab_size, exits=True)
-    ex = PagedExecutor.create(
-        model, num_blocks=512, block_size=rng.choice([1, 4, 8]), layout=layout
-    )
-    history = run_random_schedule(ex, reqs, seed, layout, max_rows=rng.choice([3, 12, 40]))
+    driver = PlanDriver(model, num_blocks=512, block_size=rng.choice([1, 4, 8]), layout=layout)
+    history = run_random_schedule(driver, reqs, seed, layout, max_rows=rng.choice([3, 12, 40]))
     mixed = [
-        s for s in history if len({x.req_id for x in s}) >= 2 and len({x.depth for x in s}) >= 2
+        s for s in history if min(len({x.request_id for x in s}), len({x.depth for x in s})) >= 2
     ]
     assert mixed, "the schedule never mixed requests and depths in one invocation"
     for req in reqs:
@@ -130,13 +126,14 @@ def test_reused_blocks_do_not_leak_previous_kv():
     """A request that gets the blocks of a freed request computes exactly what it computes in a
     fresh cache: stale KV beyond its length is never read."""
     model = tiny_model(seed=7, **GQA)
-    ex = PagedExecutor.create(model, num_blocks=8, block_size=4)
-    ex.prefill_all_depths("old", list(range(30, 38)))
-    ex.kv_manager.free("old")
-    assert ex.kv_manager.num_free_blocks == 8
+    driver = PlanDriver(model, num_blocks=8, block_size=4)
+    driver.prefill_all_depths("old", list(range(30, 38)))
+    driver.finish("old")
+    assert driver.num_free_blocks == 8
     ids = [1, 2, 3, 4, 5]
-    states, gates = ex.prefill_all_depths("new", ids)
-    fresh_states, _ = PagedExecutor.create(model, 8, 4).prefill_all_depths("new", ids)
+    states, gates = driver.prefill_all_depths("new", ids)
+    assert {b for t in driver.tables["new"] for b in t} == set(range(8))  # the old request's
+    fresh_states, _ = PlanDriver(model, 8, 4).prefill_all_depths("new", ids)
     assert torch.equal(states, fresh_states)
     check_against_reference(model, ids, states, gates)
 
@@ -155,7 +152,7 @@ def test_bf16_differs_from_fp32_only_by_bf16_rounding(device, backend, kernels):
     )
     fp32 = tiny_model(seed=4, device=device, dtype=torch.bfloat16, **GQA).float()
     ids = random.Random(4).choices(range(model.config.vocab_size), k=37)
-    states, gates = PagedExecutor.create(model, 64, 4).prefill_all_depths("a", ids, 8)
+    states, gates = PlanDriver(model, 64, 4).prefill_all_depths("a", ids, 8)
     exact = DenseOuroReference.from_model(fp32).run(ids)
     rounded = DenseOuroReference.from_model(model).run(ids)
     budget_h = rel_err(rounded.hidden, exact.hidden)

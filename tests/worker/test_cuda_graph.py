@@ -1,9 +1,9 @@
-"""CUDA-graph replay: the padded static-buffer call equals the eager invocation (hidden, gate
-logits, KV) for decode invocations and for mixed ones (prefill chunks of 1-65 rows beside decode
-rows, rows of several requests at several depths), padding rows touch only the scratch block, and
-generation through the static-buffer path equals eager generation (split, WCPB, atomic, decode
-cohorts). On CPU the static-buffer call runs eagerly (exactly the call a graph records); `gpu`
-tests capture and replay."""
+"""CUDA-graph replay: the model runner's invocation through a graph's padded static buffers
+equals its eager invocation (hidden, gate logits, KV) for decode invocations and for mixed ones
+(prefill chunks of 1-65 rows beside decode rows, rows of several requests at several depths),
+padding rows touch only the scratch block, and generation through the static-buffer path equals
+eager generation (split, WCPB, atomic, decode cohorts). On CPU the static-buffer call runs
+eagerly (exactly the call a graph records); `gpu` tests capture and replay."""
 
 from __future__ import annotations
 
@@ -16,27 +16,28 @@ import torch
 from tests.engine.harness import compare, kv_all_free, make_engine, random_jobs, run_batched
 from tests.helpers import GQA, rel_err, tiny_model
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.execution_batch import ScheduledRequest
 from vllm_rlt.kernels import pdl
 from vllm_rlt.models.tiny import write_tiny_ouro
-from vllm_rlt.worker.cuda_graph import CudaGraphRunner
+from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
 from vllm_rlt.worker.graph_tables import GraphSpec, graph_specs
 from vllm_rlt.worker.kv_cache import DeviceKVCache
-from vllm_rlt.worker.paged_executor import PagedExecutor, Segment
+from vllm_rlt.worker.plan_driver import PlanDriver, prompt_rows
 
 BLOCK_SIZE = 4
 # decode graphs of 1, 2, 4, 6 rows; mixed of 8, 16, 32, 64, 100 with tile slots for 12 segments
 SPECS = graph_specs(6, 100, 12)
 # decode rows (request, position, depth): at different requests, depths, blocks
-DECODE = [Segment("a", 7, 1, 0), Segment("b", 5, 1, 2), Segment("c", 11, 1, 3)]
+DECODE = [prompt_rows("a", 7, 1, 0), prompt_rows("b", 5, 1, 2), prompt_rows("c", 11, 1, 3)]
 # a mixed invocation of 83 rows (bucket 100): a 65-row chunk (tiles of 64 and 1 rows), decode
 # rows, a 1-row prefill piece, two pieces of one request at two depths, a short piece
 MIXED = [
-    Segment("a", 0, 65, 0),
-    Segment("b", 9, 1, 0),
-    Segment("c", 20, 1, 2),
-    Segment("c", 21, 12, 1),
-    Segment("d", 33, 1, 3),
-    Segment("e", 5, 3, 1),
+    prompt_rows("a", 0, 65, 0),
+    prompt_rows("b", 9, 1, 0),
+    prompt_rows("c", 20, 1, 2),
+    prompt_rows("c", 21, 12, 1),
+    prompt_rows("d", 33, 1, 3),
+    prompt_rows("e", 5, 3, 1),
 ]
 
 
@@ -50,7 +51,7 @@ def test_scratch_block_is_never_handed_out():
     assert manager.num_free_blocks == 0 and handed == set(range(12))
 
 
-def random_segments(rng: random.Random) -> list[Segment]:
+def random_segments(rng: random.Random) -> list[ScheduledRequest]:
     """2-5 requests, each with a history and 1-2 pieces at consecutive positions and distinct
     depths (1-17 rows: decode rows and prefill pieces), in random order."""
     segments = []
@@ -58,77 +59,75 @@ def random_segments(rng: random.Random) -> list[Segment]:
         start = rng.randint(0, 40)
         for depth in rng.sample(range(4), rng.randint(1, 2)):
             n = rng.choice([1, 1, 2, 3, 9, 17])
-            segments.append(Segment(f"r{i}", start, n, depth))
+            segments.append(prompt_rows(f"r{i}", start, n, depth))
             start += n
     rng.shuffle(segments)
     return segments
 
 
 def _setup(segments, backend: str, device: str = "cpu", dtype=torch.float32, **overrides):
-    """An executor whose cache holds random KV (every position a row may read) and room for
-    the segments, and random input rows [R, H]."""
+    """A driver (an eager model runner) whose requests hold every position the segments' rows
+    run at (random tokens), with random KV (every position a row may read) and random hidden
+    states (the input rows past depth 0)."""
     model = tiny_model(seed=3, backend=backend, device=device, dtype=dtype, **GQA, **overrides)
-    ex = PagedExecutor.create(model, num_blocks=512, block_size=BLOCK_SIZE)
+    driver = PlanDriver(model, num_blocks=512, block_size=BLOCK_SIZE)
     ends = {}
     for s in segments:
-        ends[s.req_id] = max(ends.get(s.req_id, 0), s.token_start + s.num_tokens)
-    for req, end in ends.items():
-        ex.kv_manager.reserve(req, end)
+        ends[s.request_id] = max(ends.get(s.request_id, 0), s.token_start + s.num_tokens)
     gen = torch.Generator(device="cpu").manual_seed(1)
-    ex.kv_cache.kv.copy_(torch.randn(ex.kv_cache.kv.shape, generator=gen))
-    hidden = torch.randn(
-        sum(s.num_tokens for s in segments), model.config.hidden_size, generator=gen
-    )
-    return ex, hidden.to(device, dtype)
+    for req, end in ends.items():
+        driver.add(req, torch.randint(model.config.vocab_size, (end,), generator=gen).tolist())
+    _randomize(driver.kv_cache.kv, gen)
+    _randomize(driver.runner.states.buffer, gen)
+    return driver
 
 
-def _static_call(ex: PagedExecutor, graphs: CudaGraphRunner, segments, hidden):
-    """The invocation through the graph runner, its input rows gathered from a larger buffer."""
-    r = hidden.shape[0]
-    states = torch.zeros(3 * r, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    index = np.random.default_rng(0).permutation(3 * r)[:r]
-    states[torch.from_numpy(index).to(hidden.device)] = hidden
-    m = ex.kv_manager
-    inv = graphs.prepare(
-        [s.token_start for s in segments],
-        [s.num_tokens for s in segments],
-        [m.block_table(s.req_id, m.plane(s.depth)) for s in segments],
-        index,
-        states,
-    )
-    assert inv is not None
-    return inv, *graphs.run(inv)
+def _randomize(t: torch.Tensor, gen: torch.Generator) -> None:
+    t.copy_(torch.randn(t.shape, generator=gen))
+
+
+def _run(driver: PlanDriver, segments, graphs: CudaGraphRunner | None = None):
+    """One invocation over the segments, eagerly or through `graphs`' static buffers: output
+    states [R, H] and gate logits [R]."""
+    driver.runner.graphs = graphs
+    out, gate = driver.run(segments)
+    driver.runner.graphs = None
+    return out[0], gate[0]
 
 
 def _check_equals_eager(segments, backend, spec: GraphSpec):
-    ex, hidden = _setup(segments, backend)
-    scratch = ex.kv_cache.scratch_block
-    ex.kv_cache.kv[:, :, scratch] = 7.0  # a sentinel the padding rows overwrite
-    kv_before = ex.kv_cache.kv.clone()
-    eager = ex.loop(segments, hidden)
-    kv_eager = ex.kv_cache.kv.clone()
+    driver = _setup(segments, backend)
+    kv, states = driver.kv_cache.kv, driver.runner.states.buffer
+    scratch = driver.kv_cache.scratch_block
+    kv[:, :, scratch] = 7.0  # a sentinel the padding rows overwrite
+    kv_before, states_before = kv.clone(), states.clone()
+    eager_out, eager_gate = _run(driver, segments)
+    kv_eager = kv.clone()
 
-    ex.kv_cache.kv.copy_(kv_before)
-    max_context = ex.model.config.max_position_embeddings
-    graphs = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, max_context, capture=False)
-    inv, out, gate = _static_call(ex, graphs, segments, hidden)
+    kv.copy_(kv_before)
+    states.copy_(states_before)
+    model = driver.runner.model
+    max_context = model.config.max_position_embeddings
+    graphs = CudaGraphRunner(model, driver.kv_cache, SPECS, max_context, capture=False)
+    calls = _record(graphs)
+    out, gate = _run(driver, segments, graphs)
+    [(inv, rows)] = calls
     assert inv.spec == spec and inv.meta.max_context == max_context
-    assert out.shape[0] == gate.shape[0] == hidden.shape[0] < spec.num_rows  # padded
-    assert rel_err(out, eager.hidden) < 1e-6
+    assert out.shape[0] == gate.shape[0] == rows < spec.num_rows  # padded
+    assert rel_err(out, eager_out) < 1e-6
     # The gate logit is a dot product with cancellation (its terms sum to ~30x the logit here),
     # so the rows' last-bit differences (CPU GEMMs of 3 and of 4 rows accumulate in different
     # orders on AVX-512) grow ~30x in it: check it against the gate of the graph's own rows, and
     # against eager's within 1e-6 of the size of its terms.
-    gate_layer = ex.model.model.early_exit_gate
+    gate_layer = model.model.early_exit_gate
     assert rel_err(gate, gate_layer(out).squeeze(-1)) < 1e-6
     terms = (out.abs() @ gate_layer.weight.abs().T).squeeze(-1)
-    assert ((gate - eager.gate_logits).abs() <= 1e-6 * terms).all()
+    assert ((gate - eager_gate).abs() <= 1e-6 * terms).all()
 
-    kv, m = ex.kv_cache.kv, ex.kv_manager
     written = torch.zeros(kv.shape[2] * BLOCK_SIZE, dtype=torch.bool)
     for s in segments:
         for pos in range(s.token_start, s.token_start + s.num_tokens):
-            written[m.slot(s.req_id, m.plane(s.depth), pos)] = True
+            written[driver.slot(s.request_id, s.depth, pos)] = True
     flat = kv.flatten(2, 3)
     # the real rows wrote what the eager call wrote
     assert rel_err(flat[:, :, written], kv_eager.flatten(2, 3)[:, :, written]) < 1e-6
@@ -154,17 +153,17 @@ def test_random_mixed_invocations_equal_eager(backend, seed):
     segments = random_segments(random.Random(seed))
     rows = sum(s.num_tokens for s in segments)
     while rows in {s.num_rows for s in SPECS} or max(s.num_tokens for s in segments) == 1:
-        segments.append(Segment(f"x{rows}", 3, 2, 1))  # keep the call mixed and padded
+        segments.append(prompt_rows(f"x{rows}", 3, 2, 1))  # keep the call mixed and padded
         rows += 2
     spec = min(s for s in SPECS if s.num_chunk_slots and s.num_rows >= rows)
     _check_equals_eager(segments, backend, spec)
 
 
 def test_prepare_declines_what_no_graph_fits():
-    ex, hidden = _setup(DECODE, "torch")
+    driver = _setup(DECODE, "torch")
     specs = graph_specs(2, 4, 3)  # decode graphs of 1 and 2 rows, a mixed graph of 4
-    graphs = CudaGraphRunner(ex.model, ex.kv_cache, specs, 64, capture=False)
-    states = torch.zeros(8, hidden.shape[1])
+    graphs = CudaGraphRunner(driver.runner.model, driver.kv_cache, specs, 64, capture=False)
+    states = driver.runner.states.buffer[:8]
     tables = [(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)] * 5
 
     def spec(starts, counts):
@@ -185,20 +184,21 @@ def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=5)
 
 
-def _record(graphs: CudaGraphRunner) -> list[tuple[GraphSpec | None, int]]:
-    """Record (spec or None when declined, rows) of every invocation the graph runner sees."""
+def _record(graphs: CudaGraphRunner) -> list[tuple[StaticInvocation | None, int]]:
+    """Record (the static invocation or None when declined, rows) of every invocation the graph
+    runner sees."""
     calls, prepare = [], graphs.prepare
 
     def recording_prepare(starts, counts, *args):
         inv = prepare(starts, counts, *args)
-        calls.append((inv and inv.spec, sum(counts)))
+        calls.append((inv, sum(counts)))
         return inv
 
     graphs.prepare = recording_prepare
     return calls
 
 
-def _force_static(engine) -> list[tuple[GraphSpec | None, int]]:
+def _force_static(engine) -> list[tuple[StaticInvocation | None, int]]:
     """Give the engine's runner a graph runner without capture; returns its calls (`_record`)."""
     sc = engine.config.scheduler
     graphs = CudaGraphRunner(
@@ -240,8 +240,8 @@ def test_generation_through_static_buffers_equals_eager(
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "last_exited") == 0
     assert kv_all_free(eng)
-    assert all(spec is not None for spec, _ in calls), "an invocation ran eagerly"
-    mixed = [(spec, rows) for spec, rows in calls if spec.num_chunk_slots]
+    assert all(inv is not None for inv, _ in calls), "an invocation ran eagerly"
+    mixed = [(inv.spec, rows) for inv, rows in calls if inv.spec.num_chunk_slots]
     assert any(spec.num_rows > rows for spec, rows in mixed), "no mixed call was padded"
     assert len(mixed) < len(calls), "no decode graph ran"
 
@@ -252,26 +252,29 @@ def test_generation_through_static_buffers_equals_eager(
 def test_gpu_graph_replay_equals_eager(dtype, tol):
     torch.backends.cuda.matmul.allow_tf32 = False
     cases = [DECODE, MIXED, DECODE[:1], *(random_segments(random.Random(s)) for s in range(4))]
-    ex, _ = _setup([s for case in cases for s in case], "triton", "cuda", dtype)
-    kv_before = ex.kv_cache.kv.clone()
-    graphs = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, 1024)
+    driver = _setup([s for case in cases for s in case], "triton", "cuda", dtype)
+    kv, states = driver.kv_cache.kv, driver.runner.states.buffer
+    kv_before = kv.clone()
+    graphs = CudaGraphRunner(driver.runner.model, driver.kv_cache, SPECS, 1024)
     assert sorted(graphs.graphs) == sorted(SPECS)
+    calls = _record(graphs)
     gen = torch.Generator(device="cpu").manual_seed(2)
-    used = set()
     for segments in cases:  # replays of several graphs with different tables in the same buffers
-        rows = sum(s.num_tokens for s in segments)
-        hidden = torch.randn(rows, ex.model.config.hidden_size, generator=gen).to("cuda", dtype)
-        ex.kv_cache.kv.copy_(kv_before)
-        eager = ex.loop(segments, hidden)
-        kv_eager = ex.kv_cache.kv.clone()
-        ex.kv_cache.kv.copy_(kv_before)
-        inv, out, gate = _static_call(ex, graphs, segments, hidden)
-        used.add(inv.spec)
-        assert rel_err(out, eager.hidden) < tol
-        assert rel_err(gate, eager.gate_logits) < tol
-        scratch = ex.kv_cache.scratch_block
-        ex.kv_cache.kv[:, :, scratch] = kv_eager[:, :, scratch]
-        assert rel_err(ex.kv_cache.kv, kv_eager) < tol
+        _randomize(states, gen)
+        states_before = states.clone()
+        kv.copy_(kv_before)
+        eager_out, eager_gate = _run(driver, segments)
+        kv_eager = kv.clone()
+        kv.copy_(kv_before)
+        states.copy_(states_before)
+        out, gate = _run(driver, segments, graphs)
+        assert rel_err(out, eager_out) < tol
+        assert rel_err(gate, eager_gate) < tol
+        scratch = driver.kv_cache.scratch_block
+        kv[:, :, scratch] = kv_eager[:, :, scratch]
+        assert rel_err(kv, kv_eager) < tol
+    assert len(calls) == len(cases) and all(inv is not None for inv, _ in calls)
+    used = {inv.spec for inv, _ in calls}
     assert GraphSpec(100, 12, 14) in used and GraphSpec(4, 4, 0) in used and len(used) >= 4
 
 
@@ -287,23 +290,26 @@ def test_gpu_early_launches_read_what_the_kernel_before_wrote(monkeypatch):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
     cases = [DECODE, MIXED, DECODE[:1], *(random_segments(random.Random(s)) for s in range(3))]
     segments = [s for case in cases for s in case]
-    ex, _ = _setup(segments, "triton", "cuda", torch.bfloat16, head_dim=32)
-    kv_before = ex.kv_cache.kv.clone()
-    early = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, 1024)
+    driver = _setup(segments, "triton", "cuda", torch.bfloat16, head_dim=32)
+    kv, states = driver.kv_cache.kv, driver.runner.states.buffer
+    kv_before = kv.clone()
+    model = driver.runner.model
+    early = CudaGraphRunner(model, driver.kv_cache, SPECS, 1024)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    plain = CudaGraphRunner(ex.model, ex.kv_cache, SPECS, 1024)
+    plain = CudaGraphRunner(model, driver.kv_cache, SPECS, 1024)
     gen = torch.Generator(device="cpu").manual_seed(4)
     differ = []
     for i, segments in enumerate(cases):
-        rows = sum(s.num_tokens for s in segments)
-        hidden = torch.randn(rows, ex.model.config.hidden_size, generator=gen).to("cuda")
+        _randomize(states, gen)
+        states_before = states.clone()
         results = []
         for graphs in (plain, early, early):
-            ex.kv_cache.kv.copy_(kv_before)
-            _, out, gate = _static_call(ex, graphs, segments, hidden.bfloat16())
-            kv = ex.kv_cache.kv.clone()
-            kv[:, :, ex.kv_cache.scratch_block] = 0
-            results.append((out.clone(), gate.clone(), kv))
+            kv.copy_(kv_before)
+            states.copy_(states_before)
+            out, gate = _run(driver, segments, graphs)
+            kv_after = kv.clone()
+            kv_after[:, :, driver.kv_cache.scratch_block] = 0
+            results.append((out, gate, kv_after))
         for name, without, *replays in zip(("out", "gate", "kv"), *results, strict=True):
             differ += [(i, name, r) for r, x in enumerate(replays) if not torch.equal(x, without)]
     assert not differ, f"(case, output, replay) unlike the graph without early launch: {differ}"
@@ -324,6 +330,6 @@ def test_gpu_generation_with_graphs_equals_eager(model_dir, mode, wavefront, chu
     calls = _record(graphs)
     got = run_batched(eng, jobs)
     assert compare(eng, jobs, got, want, "last_exited") == 0
-    assert all(spec is not None for spec, _ in calls)
-    assert any(spec.num_chunk_slots and spec.num_rows > rows for spec, rows in calls)
+    assert all(inv is not None for inv, _ in calls)
+    assert any(inv.spec.num_chunk_slots and inv.spec.num_rows > rows for inv, rows in calls)
     assert make_engine(model_dir, "cuda", "triton", enforce_eager=True).runner.graphs is None

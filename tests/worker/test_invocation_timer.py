@@ -34,7 +34,7 @@ def _expected(trace, calls) -> Counter:
     for t in trace:
         rows[t.invocation] += t.num_tokens
         decode[t.invocation] += t.num_tokens if t.kind == "decode" else 0
-    buckets = [spec and spec.num_rows for spec, _ in calls] if calls is not None else None
+    buckets = [inv and inv.spec.num_rows for inv, _ in calls] if calls is not None else None
     return Counter(
         invocation_shape(decode[i], rows[i], buckets[i] if buckets else None) for i in sorted(rows)
     )

@@ -10,7 +10,7 @@ from tests.helpers import GQA, tiny_model
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.kernels.kv_format import FP8
 from vllm_rlt.worker.kv_cache import DeviceKVCache
-from vllm_rlt.worker.paged_executor import PagedExecutor
+from vllm_rlt.worker.plan_driver import PlanDriver
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, FP8], ids=["fp32", "fp8"])
@@ -36,19 +36,19 @@ def test_exit_copy_fills_skipped_planes_only(dtype):
     assert sorted(changed) == sorted(manager.slot("a", p, pos) for p in (2, 3))
 
 
-def test_executor_exit_copies_every_layer():
+def test_runner_exit_copies_every_layer():
+    """The copies a plan carries (`kv_copies`), as the model runner applies them."""
     model = tiny_model(seed=0, **GQA)
-    ex = PagedExecutor.create(model, num_blocks=16, block_size=4)
-    ex.prefill_all_depths("a", [1, 2, 3])
-    kv_before = ex.kv_cache.kv.clone()
-    ex.exit("a", [2], [0])
-    m = ex.kv_manager
-    src = m.slot("a", 0, 2)
-    flat = ex.kv_cache.kv.view(model.config.num_hidden_layers, 2, -1, 2, 8)
+    driver = PlanDriver(model, num_blocks=16, block_size=4)
+    driver.prefill_all_depths("a", [1, 2, 3])
+    kv_before = driver.kv_cache.kv.clone()
+    driver.exit("a", [2], [0])
+    src = driver.slot("a", 0, 2)
+    flat = driver.kv_cache.kv.view(model.config.num_hidden_layers, 2, -1, 2, 8)
     for plane in (1, 2, 3):
-        assert torch.equal(flat[:, :, m.slot("a", plane, 2)], flat[:, :, src])
+        assert torch.equal(flat[:, :, driver.slot("a", plane, 2)], flat[:, :, src])
     flat_before = kv_before.view_as(flat)
     for pos in (0, 1):  # other positions keep their executed planes
         for plane in range(4):
-            slot = m.slot("a", plane, pos)
+            slot = driver.slot("a", plane, pos)
             assert torch.equal(flat[:, :, slot], flat_before[:, :, slot])

@@ -25,11 +25,6 @@ from vllm_rlt.config import KVLayout
 from vllm_rlt.core.block_pool import BlockPool
 
 
-def num_planes_for(layout: KVLayout | str, num_loops: int) -> int:
-    """KV planes a layout keeps: one per depth (LAST_EXITED) or one (SHARED)."""
-    return num_loops if KVLayout(layout) is KVLayout.LAST_EXITED else 1
-
-
 class KVCapacityError(ValueError):
     """A reservation the cache cannot hold; the message says what is needed and available."""
 
@@ -59,7 +54,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.num_loops = num_loops
         # planes the loops read and write (exits copy between them), then the edge planes
-        self.num_loop_planes = num_planes_for(self.layout, num_loops)
+        self.num_loop_planes = self.layout.num_planes(num_loops)
         self.num_planes = self.num_loop_planes + num_edge_planes
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, self.num_planes)

@@ -21,8 +21,8 @@ import time
 import torch
 
 from vllm_rlt.attention.metadata import tile_rows_for
-from vllm_rlt.config import EngineConfig
-from vllm_rlt.core.kv_cache_manager import KVCacheManager, num_planes_for
+from vllm_rlt.config import EngineConfig, KVLayout
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken, StepOutput
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import make_planner
@@ -91,7 +91,7 @@ class LLMEngine:
         config.check_speculation(self.num_loops, c.early_exit_threshold)
         max_drafts = config.speculative.num_speculative_tokens
         # the loops' planes, then the planes of layers outside the loop (Huginn's prelude, coda)
-        num_planes = num_planes_for(cc.kv_layout, self.num_loops) + self.model.num_edge_planes
+        num_planes = KVLayout(cc.kv_layout).num_planes(self.num_loops) + self.model.num_edge_planes
         # everything that stays on the device besides the KV cache exists before it is sized
         planner = make_planner(sc, cc.kv_layout, self.num_loops)
         # a speculative window's rows use the ring once the prompt is done

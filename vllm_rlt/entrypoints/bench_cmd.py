@@ -1,5 +1,5 @@
-"""`vllm-rlt bench serve|throughput|latency`: the benchmarks of `vllm_rlt.benchmarks` with the
-engine flags of `serve`; live progress while they run, a percentile table at the end, and the
+"""`vllm-rlt bench serve|throughput|latency`: the benchmarks of `vllm_rlt.entrypoints.bench` with
+the engine flags of `serve`; live progress while they run, a percentile table at the end, and the
 whole result as JSON with `--out`."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark the engine: " + ", ".join(BENCHMARKS))
     kinds = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, text in BENCHMARKS.items():
-        module = importlib.import_module(f"vllm_rlt.benchmarks.{name}")
+        module = importlib.import_module(f"vllm_rlt.entrypoints.bench.{name}")
         p = kinds.add_parser(name, help=text, description=module.__doc__)
         cli_args.add_model_arg(p)
         module.add_cli_args(p)
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vllm_rlt.benchmarks.metrics import format_summary
+    from vllm_rlt.entrypoints.bench.metrics import format_summary
 
     try:  # bad settings, model files or workload values: one line, no traceback
         result = args.module.run(args, cli_args.engine_kwargs(args))

@@ -2,9 +2,10 @@
 
 Per depth it prints the top next tokens with probabilities and, for a model with an exit gate,
 the gate's exit probability sigmoid(g_t) and the exit distribution p_t with its CDF
-(docs/models.md §1.5), computed with the paged model; `--check` recomputes with the dense
-reference and compares. Huginn's predictions at a depth run the coda over that recurrence's
-state (the zero initial state), as the reference's `predict_from_latents`.
+(docs/models.md §1.5), computed by the engine's model runner (`worker/plan_driver.py`);
+`--check` recomputes with the dense reference and compares. Huginn's predictions at a depth run
+the coda over that recurrence's state (the zero initial state), as the reference's
+`predict_from_latents`.
 """
 
 from __future__ import annotations
@@ -60,17 +61,17 @@ def run(args: argparse.Namespace) -> int:
 def report(loaded, args: argparse.Namespace, block_size: int) -> int:
     import torch
 
-    from vllm_rlt.worker.paged_executor import PagedExecutor
+    from vllm_rlt.worker.plan_driver import PlanDriver
 
     model, tok = loaded.model, loaded.tokenizer
     ids = tok.encode(args.prompt).ids if tok is not None else [int(x) for x in args.prompt.split()]
     if not ids:
         raise cli_args.error_exit(f"prompt {args.prompt!r} encodes to no tokens")
     blocks = -(-len(ids) // block_size) * (model.num_loops + model.num_edge_planes)
-    executor = PagedExecutor.create(model, blocks, block_size)
-    states, gates = executor.prefill_all_depths("inspect", ids)
+    driver = PlanDriver(model, blocks, block_size, max_num_seqs=1)
+    states, gates = driver.prefill_all_depths("inspect", ids)
     last_states, last_gates = states[:, -1], gates[:, -1]
-    probs = executor.logits("inspect", last_states, len(ids) - 1).float().softmax(-1)
+    probs = driver.logits("inspect", last_states, len(ids) - 1).float().softmax(-1)
     p_exit, cdf = exit_distribution(last_gates)
     dtype = model.lm_head.weight.dtype
     print(
@@ -92,7 +93,7 @@ def report(loaded, args: argparse.Namespace, block_size: int) -> int:
     if args.check:
         if model.has_exit_gate:
             return check(model, ids, states, gates, dtype)
-        return check_huginn(model, ids, states, executor, dtype)
+        return check_huginn(model, ids, states, driver, dtype)
     return 0
 
 
@@ -113,7 +114,7 @@ def check(model, ids, states, gates, dtype) -> int:
     return _report(errors, dtype)
 
 
-def check_huginn(model, ids, states, executor, dtype) -> int:
+def check_huginn(model, ids, states, driver, dtype) -> int:
     """Huginn: the state after every recurrence and the full-depth logits of every position."""
     import torch
 
@@ -121,7 +122,7 @@ def check_huginn(model, ids, states, executor, dtype) -> int:
 
     ref = DenseHuginnReference.from_model(model).run(ids)
     last = states[-1]
-    logits = torch.cat([executor.logits("inspect", last[p : p + 1], p) for p in range(len(ids))])
+    logits = torch.cat([driver.logits("inspect", last[p : p + 1], p) for p in range(len(ids))])
     errors = {
         "states": _rel_err(states[..., : model.config.n_embd], ref.states),
         "logits": _rel_err(logits, ref.logits),

@@ -1,10 +1,10 @@
 """Device KV tensors: one tensor holds K and V of every layer for every physical block.
 
-Layout `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`; block ids come from
-the host-side `KVCacheManager` (which also computes the slots of the skipped-depth copy). The extra
-last block is the scratch block: the manager's pool of `num_blocks` never hands it out, and padding
-rows of a CUDA-graph invocation write and read only it. An FP8 cache (`kv_format`) holds a K and
-a V scale per layer.
+Layout `[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`; block ids come with
+the plans (the scheduler's `KVCacheManager` hands them out and computes the slots of the
+skipped-depth copy). The extra last block is the scratch block: the manager's pool of `num_blocks`
+never hands it out, and padding rows of a CUDA-graph invocation write and read only it. An FP8
+cache (`kv_format`) holds a K and a V scale per layer.
 """
 
 from __future__ import annotations

@@ -89,6 +89,10 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs(self.edges, self.device)
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
+        # `vllm-rlt inspect` and the model tests attach one (`plan_driver.py`) to see each
+        # invocation's output states [R, S] and gate logits [R] (rows in plan order; a graph's
+        # outputs, overwritten by its next replay)
+        self.observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def execute(self, batch: ExecutionBatch) -> StepOutput:
@@ -200,6 +204,12 @@ class ModelRunner:
 
         return to_host
 
+    @torch.inference_mode()
+    def coda_logits(self, req_id: str, states: torch.Tensor, token_start: int) -> torch.Tensor:
+        """Logits [n, V] of final states [n, S] of `req_id`'s positions from `token_start`,
+        through the coda as sampling runs it (a coda with attention writes their K/V)."""
+        return self.edges.logits(states, [self.reqs[req_id].segment(token_start, len(states))])
+
     def _invoke(self, batch: ExecutionBatch, i: int, run: RunRows | None = None):
         """Invocation `i` of the batch over its live rows (rows in plan order, at their position
         and depth in that invocation); returns their gate logits [R] fp32, or None when no row
@@ -270,6 +280,8 @@ class ModelRunner:
                 out, gate = self.graphs.run(static)
         if run is not None:
             run.leave(out, gate)
+        if self.observer is not None:
+            self.observer(out, gate)
         self.states.buffer[index[riders:]] = out[riders:]
         if finish_rows:
             self.edges.finish(out, finish_rows, finish_segs)

@@ -15,8 +15,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_rlt.benchmarks.metrics import RequestRecord, engine_counters, summarize
-from vllm_rlt.benchmarks.workload import build_workload, check_positive
+from vllm_rlt.entrypoints.bench.metrics import RequestRecord, engine_counters, summarize
+from vllm_rlt.entrypoints.bench.workload import build_workload, check_positive
 from vllm_rlt.sampling_params import SamplingParams
 
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from vllm_rlt.benchmarks.metrics import RequestRecord, device_time_by_name, gpu_busy_seconds
-from vllm_rlt.benchmarks.workload import RequestSpec, Workload
+from vllm_rlt.entrypoints.bench.metrics import RequestRecord, device_time_by_name, gpu_busy_seconds
+from vllm_rlt.entrypoints.bench.workload import RequestSpec, Workload
 from vllm_rlt.sampling_params import SamplingParams
 
 SendFn = Callable[[int, RequestSpec, RequestRecord], Awaitable[None]]

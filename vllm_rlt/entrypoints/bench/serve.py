@@ -13,9 +13,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_rlt.benchmarks.drivers import OnDone, gpu_activity, run_http, run_inprocess
-from vllm_rlt.benchmarks.metrics import engine_counters, summarize
-from vllm_rlt.benchmarks.workload import PROFILES, Workload, build_workload
+from vllm_rlt.entrypoints.bench.drivers import OnDone, gpu_activity, run_http, run_inprocess
+from vllm_rlt.entrypoints.bench.metrics import engine_counters, summarize
+from vllm_rlt.entrypoints.bench.workload import PROFILES, Workload, build_workload
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:

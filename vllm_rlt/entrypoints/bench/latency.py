@@ -10,9 +10,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_rlt.benchmarks.metrics import percentiles
-from vllm_rlt.benchmarks.throughput import make_engine, random_prompts, run_requests
-from vllm_rlt.benchmarks.workload import check_positive
+from vllm_rlt.entrypoints.bench.metrics import percentiles
+from vllm_rlt.entrypoints.bench.throughput import make_engine, random_prompts, run_requests
+from vllm_rlt.entrypoints.bench.workload import check_positive
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
