@@ -67,6 +67,9 @@ class ExitSettings:
     max_loops: int
     threshold: float  # exit CDF threshold; 1.0 = fixed depth
     trace: tuple[int, ...] | None = None  # trace mode: loops of each decode position
+    # loops every prompt position runs; None: the model's depth D (Ouro, whose prompts run
+    # full depth). Huginn: max_loops, its reference's num_steps for the whole request
+    prompt_loops: int | None = None
 
 
 @dataclass
@@ -127,11 +130,15 @@ class Request:
     def prefill_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids[: self.resume_tokens]
 
+    def prompt_loops(self, num_loops: int) -> int:
+        """Loops each prompt position runs in a depth-`num_loops` model (`ExitSettings`)."""
+        return self.exit.prompt_loops or num_loops
+
     def position_loops(self, position: int, num_loops: int) -> int:
-        """Loops a prefill position runs: every loop for the prompt; for a recomputed output
+        """Loops a prefill position runs: the prompt's (`prompt_loops`); for a recomputed output
         position, the loops it ran before (the exit depth of the token sampled from it)."""
         i = position - len(self.prompt_token_ids)
-        return num_loops if i < 0 else self.output_exit_depths[i + 1]
+        return self.prompt_loops(num_loops) if i < 0 else self.output_exit_depths[i + 1]
 
     @property
     def max_positions(self) -> int:

@@ -90,7 +90,8 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None  # sample i's seed is seed + i, in [0, 2**63 - 1]; None = drawn
     min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
-    max_loops: int | None = None  # most loops a decode token runs; None = the model's depth
+    # most loops a decode token runs (Huginn: every position, prompt included); None = depth
+    max_loops: int | None = None
     exit_threshold: float | None = None  # exit when cumulative exit prob >= this; None = config
     # Huginn: scale of the random initial recurrent state (0 = zero state); None = the engine's
     init_scale: float | None = None

@@ -23,16 +23,16 @@ def model_dir(tmp_path_factory):
 
 
 def reference_greedy(model, prompt, max_tokens, max_loops=None):
-    """Greedy tokens and exit depths of an independent loop over the dense reference."""
+    """Greedy tokens and exit depths of an independent loop over the dense reference. A
+    request's recurrences (`max_loops`) apply to every position, prompt included, as the public
+    code's `num_steps`."""
     ref = DenseHuginnReference.from_model(model)
-    depth = model.num_loops
-    ids, loops, tokens = list(prompt), [depth] * len(prompt), []
+    steps = max_loops or model.num_loops
+    ids, tokens = list(prompt), []
     while len(tokens) < max_tokens:
-        tokens.append(int(ref.run(ids, loops).logits[-1].argmax()))
+        tokens.append(int(ref.run(ids, [steps] * len(ids)).logits[-1].argmax()))
         ids.append(tokens[-1])
-        loops.append(max_loops or depth)
-    depths = (depth, *[max_loops or depth] * (max_tokens - 1))
-    return tuple(tokens), depths
+    return tuple(tokens), (steps,) * max_tokens
 
 
 def greedy_jobs(seed: int, num: int, vocab: int):

@@ -340,11 +340,13 @@ class LLMEngine:
         if default is None:
             default = self.model_config.early_exit_threshold
         threshold = params.exit_threshold if params.exit_threshold is not None else default
+        max_loops = params.max_loops or self.num_loops
         return ExitSettings(
             min_loops=params.min_loops or 1,
-            max_loops=params.max_loops or self.num_loops,
+            max_loops=max_loops,
             threshold=1.0 if threshold is None else threshold,
             trace=tuple(trace) if trace is not None else None,
+            prompt_loops=max_loops if self.model.prompt_runs_max_loops else None,
         )
 
     # ---- the step ---------------------------------------------------------------------------

@@ -27,7 +27,8 @@ SAMPLING_HELP = {
     "top_p": "nucleus sampling mass in (0, 1]",
     "top_k": "keep the k most likely tokens (0 = off)",
     "min_loops": "fewest loops a decode token runs (default: 1)",
-    "max_loops": "most loops a decode token runs, at most the model's depth (default: the depth)",
+    "max_loops": "most loops a decode token runs (Huginn: every position, the prompt too), at "
+    "most the model's depth (default: the depth)",
     "ignore_eos": "keep generating after EOS",
     "stop_token_ids": "token ids that end a sample (default: none)",
     "stop": "strings that end a sample, excluded from the text (default: none)",

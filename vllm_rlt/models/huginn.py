@@ -151,6 +151,7 @@ class HuginnForCausalLM(nn.Module):
     supports_shared_kv = False  # one plane per recurrence, as the reference's cache
     has_exit_gate = False  # fixed depth: exit thresholds below 1 are refused
     random_initial_state = True  # prompt KV depends on the seed: no prefix caching
+    prompt_runs_max_loops = True  # a request's recurrences (max_loops) apply to its prompt too
 
     def __init__(
         self,

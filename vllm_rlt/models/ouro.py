@@ -206,6 +206,7 @@ class OuroForCausalLM(nn.Module):
     supports_shared_kv = True  # kv_layout="shared" (one plane, position-wave prefill)
     has_exit_gate = True  # exit thresholds below 1 exit by the gate
     random_initial_state = False  # prompt KV is a function of the token ids (prefix caching)
+    prompt_runs_max_loops = False  # prompts run every loop, as the reference's
     num_edge_planes = 0  # every attention layer runs in the loop
 
     def __init__(

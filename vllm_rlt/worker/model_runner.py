@@ -236,6 +236,7 @@ class ModelRunner:
             rows.append(self._rows(t.state_span(), m))
             end = t.token_start + t.num_tokens
             prefill = t.kind is RowKind.PREFILL
+            loops = t.loops or self.num_loops  # prefill rows: their last loop is loops - 1
             if depth == 0 and prefill:
                 prompt_rows.extend(range(row, row + t.num_tokens))
                 prompt_tokens.extend(m.data.prompt_token_ids[t.token_start : end])
@@ -249,10 +250,10 @@ class ModelRunner:
             if not prefill:
                 m.position = end - 1
             elif self.edges.finishes:  # (per-row lists only for a model with coda blocks)
-                for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth):
+                for offset, n in self._finishing(m, t.token_start, t.num_tokens, depth, loops):
                     finish_rows.extend(range(row + offset, row + offset + n))
                     finish_segs.append(m.segment(t.token_start + offset, n))
-            last_loop = prefill and depth == self.num_loops - 1
+            last_loop = prefill and depth == loops - 1
             n = self.prompt_logprobs.rows_of(m.data, t.token_start, t.num_tokens) * last_loop
             if n:
                 scored.append((row, t.token_start, m.data, m.segment(t.token_start, n)))
@@ -292,16 +293,16 @@ class ModelRunner:
             self.states.buffer[to_device(done_dst, torch.int64, self.device)] = out[src]
         return gate
 
-    def _finishing(self, m: _Mirror, start: int, count: int, depth: int):
+    def _finishing(self, m: _Mirror, start: int, count: int, depth: int, prompt_loops: int):
         """(row offset, rows) runs of the prefill rows [start, start + count) whose last loop is
-        `depth`: prompt positions at the last depth, fed-back output positions (a resumed
-        request's) at the depth they exited at before."""
+        `depth`: prompt positions at their last depth (`prompt_loops` - 1), fed-back output
+        positions (a resumed request's) at the depth they exited at before."""
         resumed = m.data.resumed_loops
         first_output = len(m.data.prompt_token_ids) - len(resumed)
         if not resumed or start + count <= first_output:
-            return [(0, count)] if depth == self.num_loops - 1 else []
+            return [(0, count)] if depth == prompt_loops - 1 else []
         loops = [
-            self.num_loops if p < first_output else resumed[p - first_output]
+            prompt_loops if p < first_output else resumed[p - first_output]
             for p in range(start, start + count)
         ]
         return [(i, 1) for i, n in enumerate(loops) if n - 1 == depth]

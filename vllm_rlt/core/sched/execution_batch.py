@@ -4,11 +4,11 @@ A step runs, in order: the skipped-depth KV copies, the coda + sampling of `samp
 then `loop_count` recurrent-core invocations over `requests`, each after the draft samples of
 speculative windows (`drafts`) due before it, then the acceptance of the windows verified
 (`verifies`). Each invocation advances every live row one depth; a prefill task's rows drop out
-after depth D-1, and a drafting window's row moves to the window's next position at depth 0
-after each position's draft loops, and after the last one's to the verify rows of every position
-(`ExecutionBatch.live`). Decode and window rows run every invocation of their batch: the
-scheduler gives a batch with such rows more than one loop only when none of them reaches a
-decision before the last.
+after their last depth (D-1, or the task's `loops` - 1), and a drafting window's row moves to the
+window's next position at depth 0 after each position's draft loops, and after the last one's to
+the verify rows of every position (`ExecutionBatch.live`). Decode and window rows run every
+invocation of their batch: the scheduler gives a batch with such rows more than one loop only
+when none of them reaches a decision before the last.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ class ScheduledRequest:
     # a drafting window's positions (K + 1): after the last one's draft loops its row becomes
     # the window's verify rows, every position from depth d on, within the step
     window_rows: int = 0
+    # prefill rows: the loops they run in all, after which they drop out (0: the model's depth
+    # D; a Huginn request's prompt runs its max_loops)
+    loops: int = 0
 
     @property
     def most_rows(self) -> int:
@@ -211,7 +214,7 @@ class ExecutionBatch:
             if t.draft_loops:
                 t = t.at(invocation)
                 rows.append((t, t.depth))
-            elif t.depth + invocation < num_loops:
+            elif t.depth + invocation < (t.loops or num_loops):
                 rows.append((t, t.depth + invocation))
         return tuple(rows)
 

@@ -30,7 +30,7 @@ def kv_demand(
             for row in map(t.at, range(loops)):
                 write(t.request_id, kv.planes_written(row.depth), row.token_start + row.num_tokens)
             continue
-        depths = range(t.depth, min(num_loops, t.depth + loops))
+        depths = range(t.depth, min(t.loops or num_loops, t.depth + loops))
         planes = (p for d in depths for p in kv.planes_written(d))
         write(t.request_id, planes, t.token_start + t.num_tokens)
     for req_id, pos, depth in exits:

@@ -58,7 +58,7 @@ class LoopRules:
         elif not prefill_tasks or self.planner.single_loop:  # R5: wavefront regroups tasks
             return 1
         else:
-            loops = max(self.num_loops - t.depth for t in prefill_tasks)  # R2
+            loops = max((t.loops or self.num_loops) - t.depth for t in prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4
             loops = min(loops, self.config.max_prefill_stall_loops)
         for req_id, tasks in by_request(prefill_tasks).items():

@@ -98,7 +98,9 @@ class _ChunkedPlanner:
         candidates = []
         for i, req in enumerate(requests):
             candidates += [
-                (self._order(i, p), req, p) for p in req.pieces if p.depth < self.num_loops
+                (self._order(i, p), req, p)
+                for p in req.pieces
+                if p.depth < req.prompt_loops(self.num_loops)
             ]
             candidates += [(self._entry_order(i, k), req, _ENTRY) for k in range(self.ring_slots)]
         candidates.sort(key=lambda c: c[0])
@@ -124,7 +126,7 @@ class _ChunkedPlanner:
         """Whether `req`'s tasks can run `loops` invocations with no decision between them: every
         earlier piece left out of the batch must already be past the depths they will reach."""
         for task in tasks:
-            last = min(self.num_loops, task.depth + loops)
+            last = min(req.prompt_loops(self.num_loops), task.depth + loops)
             for piece in req.pieces:
                 if piece.token_start >= task.token_start:
                     break
@@ -135,7 +137,7 @@ class _ChunkedPlanner:
     def loops_to_exit(self, req: Request, task: ScheduledRequest) -> int:
         """Invocations `task` may run before one of its rows, a recomputed output position,
         leaves early (its skipped-depth copies must land before any later loop)."""
-        loops = self.num_loops - task.depth
+        loops = req.prompt_loops(self.num_loops) - task.depth
         for pos in range(max(task.token_start, req.num_prompt_tokens), _end(task)):
             row = req.position_loops(pos, self.num_loops)
             if row > task.depth:
@@ -148,17 +150,17 @@ class _ChunkedPlanner:
         """Apply `loops` invocations to `req`'s tasks and free finished chunks (in order).
         Returns whether the whole prefill has run, and the (position, 0-based last depth) of
         recomputed output positions that left early: their rows leave the piece."""
-        exits = []
+        exits, depth = [], req.prompt_loops(self.num_loops)
         for task in tasks:
             for piece in [p for p in req.pieces if _covers([task], p)]:
-                piece.depth = min(self.num_loops, piece.depth + loops)
-                if piece.depth < self.num_loops and _end(task) > req.num_prompt_tokens:
+                piece.depth = min(depth, piece.depth + loops)
+                if piece.depth < depth and _end(task) > req.num_prompt_tokens:
                     exits += self._drop_exited(req, piece)
         while req.in_prefill:
             start = req.prefill_reclaimable_tokens
             end = min((start // self.chunk_size + 1) * self.chunk_size, req.prefill_len)
             chunk = [p for p in req.pieces if p.token_start < end]
-            if req.num_prefilled_tokens < end or any(p.depth < self.num_loops for p in chunk):
+            if req.num_prefilled_tokens < end or any(p.depth < depth for p in chunk):
                 break
             req.pieces = req.pieces[len(chunk) :]
             req.prefill_reclaimable_tokens = end
@@ -219,6 +221,7 @@ class _ChunkedPlanner:
             num_tokens=piece.num_tokens,
             depth=piece.depth,
             prefill_hidden_row_offset=self.row_offset(piece.token_start),
+            loops=req.prompt_loops(self.num_loops),
         )
 
 

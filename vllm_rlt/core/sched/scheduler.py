@@ -254,7 +254,7 @@ class Scheduler:
         self._order[req.request_id] = next(self._ranks)
         self.running.append(req)
         self.kv.cache_prompt(req.request_id, req.prompt_token_ids, req.num_prompt_tokens)
-        req.pending_exit_depths.append(self.num_loops)
+        req.pending_exit_depths.append(req.prompt_loops(self.num_loops))
         self._append_token(req, first)
         if req.status.finished:
             return
@@ -403,10 +403,10 @@ class Scheduler:
                 self._start_decoding(req)
 
     def _start_decoding(self, req: Request) -> None:
-        """After the prefill: the first token comes from full depth; a resumed request instead
-        feeds back its newest output token, as before it was preempted."""
+        """After the prefill: the first token comes from the prompt's last depth; a resumed request
+        instead feeds back its newest output token, as before it was preempted."""
         if not req.output_token_ids:
-            req.ready_loops = self.num_loops
+            req.ready_loops = req.prompt_loops(self.num_loops)
             return
         index = len(req.output_token_ids) - 1
         token = DecodeToken(position=req.prefill_len, index=index)
