@@ -20,37 +20,15 @@ import time
 
 import torch
 
-from vllm_rlt.attention.metadata import tile_rows_for
-from vllm_rlt.config import EngineConfig, KVLayout
-from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken, StepOutput
-from vllm_rlt.core.sched.exit_policy import make_exit_policy
-from vllm_rlt.core.sched.prefill_planner import make_planner
-from vllm_rlt.core.sched.scheduler import Scheduler
-from vllm_rlt.engine.kv_handoff import KVHandoff
-from vllm_rlt.engine.kv_sizing import (
-    kv_cache_dtype,
-    log_kv_cache,
-    plan_kv_blocks,
-    resolve_max_model_len,
-)
+from vllm_rlt.engine.assembly import assemble
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineSnapshot, EngineStats
-from vllm_rlt.models import registry
-from vllm_rlt.models.hub import resolve_model_dir
-from vllm_rlt.models.loader import LoadedModel, load_model, read_config
+from vllm_rlt.models.loader import LoadedModel
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
 from vllm_rlt.sampling_params import SamplingParams, check_text
-from vllm_rlt.worker.cuda_graph import CudaGraphRunner, graphs_supported
-from vllm_rlt.worker.device_runs import DeviceRunner
-from vllm_rlt.worker.graph_tables import graph_specs
-from vllm_rlt.worker.hidden_state import HiddenStateStore
-from vllm_rlt.worker.kv_cache import DeviceKVCache
-from vllm_rlt.worker.memory_profile import DeviceMemory, measure_device_memory
-from vllm_rlt.worker.model_runner import ModelRunner
-from vllm_rlt.worker.run_state import RunState
-from vllm_rlt.worker.spec_windows import WindowTokens
 
 logger = logging.getLogger(__name__)
 
@@ -58,129 +36,26 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         """`loaded`: an already loaded model to serve (benchmarks compare scheduler settings on
-        one set of weights); by default the engine loads `config.model`."""
+        one set of weights); by default the engine loads `config.model`. The parts are built by
+        `assembly.assemble`."""
         self.config = config
-        mc, cc, sc = config.model, config.cache, config.scheduler
-        # the model's directory (a hub id resolved): its chat template and tokenizer files
-        self.model_dir = resolve_model_dir(mc.model, mc.revision, mc.download_dir)
-        if loaded is None:
-            model_dir = self.model_dir
-            _, model_cls = registry.resolve(read_config(model_dir).model_type)
-            config.check_model(model_cls)
-            attention_backend, layer_kernels = mc.kernel_names()
-            loaded = load_model(
-                model_dir,
-                dtype=mc.dtype,
-                device=mc.device,
-                load_format=mc.load_format,
-                attention_backend=attention_backend,
-                layer_kernels=layer_kernels,
-                seed=mc.seed,
-            )
-        else:
-            model_cls = type(loaded.model)
-            config.check_model(model_cls)
-        self.model, self.model_config, self.tokenizer = (
-            loaded.model,
-            loaded.config,
-            loaded.tokenizer,
-        )
+        parts = assemble(config, loaded)
+        self.model_dir = parts.model_dir
+        self.model, self.model_config = parts.loaded.model, parts.loaded.config
+        self.tokenizer = parts.loaded.tokenizer
         self.num_loops = self.model.num_loops
-        weight = self.model.lm_head.weight
-        c = self.model_config
-        config.check_speculation(self.num_loops, c.early_exit_threshold)
-        max_drafts = config.speculative.num_speculative_tokens
-        # the loops' planes, then the planes of layers outside the loop (Huginn's prelude, coda)
-        num_planes = KVLayout(cc.kv_layout).num_planes(self.num_loops) + self.model.num_edge_planes
-        # everything that stays on the device besides the KV cache exists before it is sized
-        planner = make_planner(sc, cc.kv_layout, self.num_loops)
-        # a speculative window's rows use the ring once the prompt is done
-        ring_rows = max(planner.ring_slots * planner.chunk_size, max_drafts + 1)
-        states = HiddenStateStore(
-            sc.max_num_seqs, ring_rows, self.model.state_size, weight.dtype, weight.device
-        )
-        windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
-        # device runs: only for decode rows whose prelude and coda attend nothing
-        run_state = None
-        if sc.run_loops > 1 and not self.model.num_edge_planes:
-            blocks = -(-(mc.max_model_len or c.max_position_embeddings) // cc.block_size)
-            run_state = RunState(
-                sc.max_num_seqs, sc.run_loops, weight.shape[0], num_planes, blocks,
-                self.model.state_size, weight.dtype, weight.device,
-            )  # fmt: skip
-        tile_rows = tile_rows_for(planner.task_rows)
-        specs = ()
-        if not mc.enforce_eager and graphs_supported(self.model):
-            segments = planner.expected_segments(sc.max_num_seqs)
-            specs = graph_specs(sc.max_num_seqs, sc.max_num_batched_tokens, segments, tile_rows)
-
-        def measure() -> DeviceMemory:  # graphs sized for the longest context a request may get
-            max_context = mc.max_model_len or c.max_position_embeddings
-            budget = sc.max_num_batched_tokens
-            args = (budget, sc.max_num_seqs, cc.block_size, tile_rows, specs, max_context)
-            return measure_device_memory(self.model, *args)
-
-        kv_dtype = kv_cache_dtype(cc.kv_cache_dtype, weight.dtype, loaded.kv_scales)
-        blocks = plan_kv_blocks(cc, c, num_planes, kv_dtype, weight.device, measure)
-        num_blocks = blocks.num_blocks
-        # a random initial state makes prompt KV depend on the request's seed: nothing to share
-        prefix_caching = cc.enable_prefix_caching and not self.model.random_initial_state
-        if cc.enable_prefix_caching and not prefix_caching:
-            logger.info(
-                "prefix caching is off: %s draws a random initial state per request, so prompt "
-                "KV depends on the request's seed",
-                type(self.model).__name__,
-            )
-        self.kv_manager = KVCacheManager(
-            num_blocks,
-            cc.block_size,
-            cc.kv_layout,
-            self.num_loops,
-            prefix_caching,
-            self.model.num_edge_planes,
-        )
-        per_plane = self.kv_manager.max_tokens_per_request()  # positions of one plane
-        # the longest request (prompt + output positions) add_request accepts
-        self.max_model_len = resolve_max_model_len(
-            mc.max_model_len, c.max_position_embeddings, per_plane, blocks
-        )
-        log_kv_cache(blocks, per_plane, num_planes, self.max_model_len)
-        kv_cache = DeviceKVCache.for_model(
-            self.model, num_blocks, cc.block_size, kv_dtype, loaded.kv_scales
-        )
-        exit_policy = make_exit_policy(config.exit.exit_mode, config.exit.trace_seed)
-        self.scheduler = Scheduler(
-            sc,
-            self.kv_manager,
-            exit_policy,
-            self.num_loops,
-            atomic_prefill=self.model.requires_atomic_prefill,
-            speculative=config.speculative,
-            device_runs=run_state is not None,
-            planner=planner,
-        )
-        graphs, runs = None, None
-        max_context = min(self.max_model_len, per_plane)
-        if specs:
-            graphs = CudaGraphRunner(self.model, kv_cache, specs, max_context, tile_rows)
-        loop_planes = self.kv_manager.num_loop_planes
-        if run_state is not None:
-            runs = DeviceRunner(self.model, kv_cache, states, windows, run_state, loop_planes,
-                                tile_rows, max_context, capture=bool(specs))  # fmt: skip
-            if specs:  # captured now: a first use mid-serving would stall every row
-                runs.warm_up(config.exit.exit_mode)
-        self.runner = ModelRunner(
-            self.model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs
-        )
-        self.handoff = KVHandoff(self.scheduler, self.kv_manager, kv_cache)  # PD's seam
+        self.kv_manager = parts.kv_manager
+        self.scheduler, self.runner = parts.scheduler, parts.runner
+        self.handoff = parts.handoff  # PD's seam
+        self.max_model_len = parts.max_model_len
         self.outputs = OutputProcessor(self.tokenizer)
         # async scheduling: the last step's batch, its tokens not yet read back
         self._unread: tuple[ExecutionBatch, StepOutput] | None = None
         # a device run queued by the last step: its tokens are read before the next plan
         self._unread_run: tuple[ExecutionBatch, StepOutput] | None = None
-        self._seeds = random.Random(mc.seed)  # seeds for requests that give none
+        self._seeds = random.Random(config.model.seed)  # seeds for requests that give none
         self.stats = EngineStats()
-        eos = c.eos_token_id
+        eos = self.model_config.eos_token_id
         self.eos_token_ids = (
             tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         )
