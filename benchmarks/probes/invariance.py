@@ -7,8 +7,14 @@ another request, with and without `batch_invariant`.
 Ouro-1.4B shape, bf16, dummy weights; a 303-token prompt, chunk 64, budget 128 (the shape of the
 original WCPB pull request's diagnostic). Each figure is the largest absolute difference from
 atomic-alone at one depth (and for the logits); with batch_invariant every one must be 0
-(tests/engine/test_wcpb.py asserts it on the GPU). Runs eagerly: the recorder hooks the eager
-recurrent core.
+(tests/engine/test_wcpb.py asserts it on the GPU). Runs eagerly.
+
+    python -m benchmarks.probes.invariance --generation 303 2000 --out generation.json
+
+Generation instead, with batch_invariant and CUDA graphs: 16 prompts of each length, 16 greedy
+tokens, 8 requests at once in atomic / split / WCPB against one at a time; per mode the requests
+whose tokens are identical, and for the others the first row (position, depth, prompt or decode)
+whose state differs. The recorder sees every row through `ModelRunner.observer`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.model_shapes import write_shape
+from benchmarks.wcpb_matrix import release_device_memory
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.sampling_params import SamplingParams
@@ -34,31 +41,30 @@ MODES = {
 
 
 class StateRecorder:
-    """Records the output state of every (request, position, depth) row the runner computes."""
+    """Records the output state of every (request, position, depth) row the runner computes,
+    eager or replayed from a CUDA graph (through `ModelRunner.observer`)."""
 
     def __init__(self, eng: LLMEngine):
         self.states: dict[tuple[str, int, int], torch.Tensor] = {}
         self.num_loops = eng.model.num_loops
-        runner, model = eng.runner, eng.runner.model
-        invoke, core = runner._invoke, model.recurrent_core
+        runner = eng.runner
+        invoke = runner._invoke
 
-        def recording_invoke(batch, i):
-            live = batch.live(i, model.num_loops)
+        def recording_invoke(batch, i, *args):
+            live = batch.live(i, self.num_loops)
 
-            def recording_core(hidden, meta, kv):
-                out, gate = core(hidden, meta, kv)
-                row = 0
+            def observe(out, gate):
+                out, row = out.clone(), 0  # a graph's outputs: overwritten by its next replay
                 for t, depth in live:
                     for j in range(t.num_tokens):
                         self.states[(t.request_id, t.token_start + j, depth)] = out[row + j]
                     row += t.num_tokens
-                return out, gate
 
-            model.recurrent_core = recording_core
+            runner.observer = observe
             try:
-                return invoke(batch, i)
+                return invoke(batch, i, *args)
             finally:
-                del model.recurrent_core
+                runner.observer = None
 
         runner._invoke = recording_invoke
 
@@ -121,13 +127,81 @@ def gpu_case() -> tuple[list[int], list[int], dict]:
     return prompt, other, settings
 
 
+def generate(model_dir, prompts, mode, concurrency, max_tokens, **kw):
+    """(tokens per request, the recorder) of greedy generation of `prompts` in `mode`, at most
+    `concurrency` at once (CUDA graphs as configured)."""
+    eng = LLMEngine(EngineConfig.from_kwargs(
+        model=str(model_dir), load_format="dummy", batch_invariant=True,
+        max_num_seqs=concurrency, **MODES[mode], **kw,
+    ))  # fmt: skip
+    rec = StateRecorder(eng)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, params)
+    tokens = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    del eng
+    release_device_memory()  # the recorder's hook ties the engine in a cycle
+    return tokens, rec
+
+
+def first_difference(rec, base, req_id: str, num_prompt: int) -> dict | None:
+    """The first (position, depth) row of `req_id` whose state differs from `base`'s, with the
+    row's kind and the largest |difference| there (None: every row the two share is the same)."""
+    keys = sorted(k for k in rec.states if k[0] == req_id and k in base.states)
+    ours = torch.stack([rec.states[k] for k in keys]).float()
+    theirs = torch.stack([base.states[k] for k in keys]).float()
+    diffs = (ours - theirs).abs().amax(-1)
+    differing = diffs.nonzero()
+    if not len(differing):
+        return None
+    i = int(differing[0])
+    kind = "prompt" if keys[i][1] < num_prompt else "decode"
+    return {
+        "position": keys[i][1],
+        "depth": keys[i][2],
+        "kind": kind,
+        "max_abs_diff": diffs[i].item(),
+        "differing_rows": len(differing),
+        "rows": len(keys),
+    }
+
+
+def generation_diagnostic(model_dir, prompts, concurrency: int, max_tokens: int, **kw) -> dict:
+    """Greedy generation with `batch_invariant`, `concurrency` requests at once in each mode
+    against one at a time (atomic): identical requests, and where each differing request's rows
+    first differ."""
+    base_tokens, base = generate(model_dir, prompts, "atomic", 1, max_tokens, **kw)
+    report = {}
+    for mode in MODES:
+        tokens, rec = generate(model_dir, prompts, mode, concurrency, max_tokens, **kw)
+        ids = [f"r{i}" for i in range(len(prompts))]
+        same = [r for r in ids if tokens[r] == base_tokens[r]]
+        report[mode] = {
+            "identical_requests": len(same),
+            "requests": len(ids),
+            "first_differences": {
+                r: first_difference(rec, base, r, len(prompts[int(r[1:])])) for r in ids
+            },
+        }
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--generation", type=int, nargs="*", metavar="LEN",
+                   help="instead: greedy generation of 16 prompts of each length (8 at once "
+                   "against one at a time, 16 tokens) with batch_invariant")  # fmt: skip
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape("ouro-1.4b", Path(tmp) / "ouro")
         prompt, other, settings = gpu_case()
+        if args.generation:
+            return _report_generation(model_dir, args.generation, settings, args.out)
         report = {
             "batch_invariant": diagnostic(model_dir, True, prompt, other, **settings),
             "default": diagnostic(model_dir, False, prompt, other, **settings),
@@ -138,6 +212,23 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {name:14s} " + " ".join(f"{d:.4g}" for d in diffs))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _report_generation(model_dir, lengths, settings, out: Path | None) -> dict:
+    report = {}
+    for length in lengths:
+        rng = random.Random(length)
+        prompts = [rng.choices(range(1000, 40000), k=length) for _ in range(16)]
+        # 8 requests of up to 2,016 positions x 4 planes
+        kw = {**settings, "kv_cache_memory_gb": 16.0}
+        report[str(length)] = generation_diagnostic(model_dir, prompts, 8, 16, **kw)
+        for mode, r in report[str(length)].items():
+            firsts = [f for f in r["first_differences"].values() if f]
+            print(f"{length} tokens, {mode}: {r['identical_requests']}/{r['requests']} identical;"
+                  f" first differing rows: {firsts[:4]}")  # fmt: skip
+    if out:
+        out.write_text(json.dumps(report, indent=1))
     return report
 
 
