@@ -23,7 +23,7 @@ from benchmarks.wcpb_matrix import INPUTS, MODES, add_async_scheduling_flag, mod
 from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
-from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
+from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken, StepOutput
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.entrypoints.bench.workload import build_workload
@@ -56,7 +56,7 @@ def make_request(req_id: str, prompt_len: int, output_len: int) -> Request:
 
 
 def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = False) -> dict:
-    sched = make_scheduler(mode, args)
+    sched = make_scheduler(mode, args, async_scheduling=async_scheduling)
     kv = sched.kv
     for i, n in enumerate(prompt_lens):
         sched.add_request(make_request(f"r{i}", n, args.output_len))
@@ -65,7 +65,6 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
         args.max_num_seqs, args.max_num_batched_tokens, sched.expected_segments, tile_rows
     )
     counts, buckets, steps = Counter(), Counter(), Counter()
-    unread = None
     while sched.has_unfinished():
         batch = sched.schedule()
         counts["steps"] += 1
@@ -87,11 +86,8 @@ def replay(mode: str, prompt_lens: list[int], args, async_scheduling: bool = Fal
             counts["rows"] += sum(rows)
             counts["bucket_rows"] += sum(rows) if bucket is None else bucket
             buckets[shape] += 1
-        sched.advance(batch, ())
-        if async_scheduling:  # the previous step's tokens are read after this step is queued
-            batch, unread = unread, batch
-        if batch is not None:
-            sched.apply_tokens(batch, {r: SampledToken(1, None, ()) for r in batch.sample_req_ids})
+        sampled = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
+        sched.update(batch, StepOutput((), lambda sampled=sampled: sampled))
     assert kv.num_free_blocks == kv.num_total_blocks
     return {
         **counts,

@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks.schedule_replay import DEPTH, make_request, make_scheduler
 from benchmarks.wcpb_matrix import CYCLED, INPUTS, MODES, PROFILES, cells
-from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
+from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken, StepOutput
 from vllm_rlt.entrypoints.bench.workload import build_workload
 
 SAMPLE_MS = 0.1
@@ -60,7 +60,7 @@ def invocation_ms(decode: int, prefill: int, mixed_model: str = "fit") -> float:
 
 def simulate(mode: str, workload, args, settings: dict) -> dict:
     """One timed run of `workload` under `mode` (+ `settings`): metrics and the tail's shapes."""
-    sched = make_scheduler(mode, args, **settings)
+    sched = make_scheduler(mode, args, **{**settings, "async_scheduling": True})
     specs, step_s = workload.requests, args.host_ms / 1e3
     free = [0.0] * workload.concurrency  # times the client's slots free up
     sent: dict[str, float] = {}
@@ -68,16 +68,16 @@ def simulate(mode: str, workload, args, settings: dict) -> dict:
     tokens: dict[str, list[float]] = {}  # emission times
     gaps: list[tuple[float, list[int]]] = []  # (ITL s, the token's rides)
     host = dev_end = 0.0
-    unread = None  # (batch, the time its tokens are sampled)
+    sampled_at = None  # the time the last step's tokens are sampled (async scheduling reads them)
     nxt = 0
-    while nxt < len(specs) or sched.has_unfinished() or unread is not None:
+    while nxt < len(specs) or sched.has_unfinished():
         while nxt < len(specs) and free and max(specs[nxt].arrival_s, min(free)) <= host:
             sent[str(nxt)] = max(specs[nxt].arrival_s, min(free))  # the engine sees it now
             free.remove(min(free))
             n, out = len(specs[nxt].prompt_token_ids), specs[nxt].output_len
             sched.add_request(make_request(str(nxt), n, out))
             nxt += 1
-        if not sched.has_unfinished() and unread is None:
+        if not sched.has_unfinished():
             host = max(specs[nxt].arrival_s, min(free))
             continue
         batch = sched.schedule()
@@ -95,14 +95,14 @@ def simulate(mode: str, workload, args, settings: dict) -> dict:
             for r in rides.keys() & sched.requests.keys():  # a token in flight waits for it
                 rides[r][-1].append(prefill if r in decode else -prefill)
         dev_end = start + ms / 1e3
-        sched.advance(batch, ())
         host += step_s
-        ready, unread = unread, (batch, start + SAMPLE_MS / 1e3) if batch.sample_req_ids else None
-        if ready is None:
+        sampled = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
+        got = sched.update(batch, StepOutput((), lambda sampled=sampled: sampled))
+        ready, sampled_at = sampled_at, start + SAMPLE_MS / 1e3 if batch.sample_req_ids else None
+        if not got:
             continue
-        host = max(host, ready[1])
-        sampled = {r: SampledToken(1, None, ()) for r in ready[0].sample_req_ids}
-        for req in sched.apply_tokens(ready[0], sampled):
+        host = max(host, ready)
+        for req, _ in got:
             times = tokens.setdefault(req.request_id, [])
             if times:
                 gaps.append((host - times[-1], rides[req.request_id][len(times) - 1]))

@@ -14,6 +14,9 @@ try:
         # Tiny test models gain nothing from intra-op threads, and on a 2-core machine that is
         # busy elsewhere each parallel region can wait a scheduler quantum (measured: 15x slower).
         torch.set_num_threads(1)
+        from tests.triton_interpreter import install
+
+        install()  # the same results, without a redundant patch per device-function call
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
 

@@ -44,6 +44,12 @@ OFFLINE_RUN_LOOPS = 16
 SERVER_RUN_LOOPS = 4
 
 
+def check_layer_kernels(name: str) -> None:
+    """ConfigError unless `name` is one of LAYER_KERNELS (models and kernels check it again:
+    tests build them without an EngineConfig)."""
+    check(name in LAYER_KERNELS, "layer_kernels", name, f"one of {LAYER_KERNELS}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | os.PathLike | None = field_help(

@@ -133,8 +133,8 @@ def phases(engine: LLMEngine) -> dict:
     r._invoke = timed("execute.invoke", r._invoke)
     r.runs.state.load = timed("execute.run_load", r.runs.state.load)
     r.runs._sample = timed("execute.run_sample", r.runs._sample)
-    s.apply_run = timed("apply_run", s.apply_run)
-    s.apply_tokens = timed("apply_tokens", s.apply_tokens)
+    s._apply_run = timed("apply_run", s._apply_run)
+    s._apply_tokens = timed("apply_tokens", s._apply_tokens)
     e._emit = timed("emit", e._emit)
     e.step = timed("step", e.step)
     return {"host_s": spent, "runs": runs}

@@ -42,7 +42,7 @@ from vllm_rlt.models.loader import load_model
 from vllm_rlt.sampling_params import SamplingParams
 
 PHASES = {"schedule": ("scheduler", "schedule"), "execute": ("runner", "execute"),
-          "advance": ("scheduler", "advance"), "read": (None, "_read_tokens")}  # fmt: skip
+          "advance": ("scheduler", "_advance"), "read": ("scheduler", "_read_tokens")}  # fmt: skip
 
 
 def _timed(fn, times: list[float]):

@@ -15,7 +15,9 @@ from vllm_rlt.core.sched.scheduler import Scheduler
 
 def scheduler() -> Scheduler:
     kv = KVCacheManager(4096, 4, "last_exited", D, enable_prefix_caching=True)
-    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8)
+    config = SchedulerConfig(
+        max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=8, async_scheduling=False
+    )
     return Scheduler(config, kv, make_exit_policy("ouro", None), D)
 
 

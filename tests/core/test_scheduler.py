@@ -9,7 +9,7 @@ import pytest
 
 from vllm_rlt.config import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
-from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
+from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken, StepOutput
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.core.sched.prefill_planner import WavefrontPlanner
 from vllm_rlt.core.sched.scheduler import Scheduler
@@ -20,8 +20,10 @@ D = 4
 
 
 def scheduler(**kw) -> Scheduler:
+    """A scheduler whose fake runner answers each step at once (no async scheduling)."""
     kv = KVCacheManager(4096, 4, kw.pop("layout", "last_exited"), D)
-    return Scheduler(SchedulerConfig(**kw), kv, make_exit_policy("ouro", None), D)
+    config = SchedulerConfig(async_scheduling=False, **kw)
+    return Scheduler(config, kv, make_exit_policy("ouro", None), D)
 
 
 def request(req_id, prompt_len, max_tokens=4, threshold=1.0) -> Request:
@@ -33,8 +35,8 @@ def step(s: Scheduler, gate: float = 0.0):
     batch = s.schedule()
     reading = [t for t in batch.requests if t.reads_gate]
     assert all(t.kind is RowKind.DECODE for t in reading)
-    s.advance(batch, tuple(gate for _ in reading))
-    s.apply_tokens(batch, {r: SampledToken(1, None, ()) for r in batch.sample_req_ids})
+    sampled = {r: SampledToken(1, None, ()) for r in batch.sample_req_ids}
+    s.update(batch, StepOutput(tuple(gate for _ in reading), lambda: sampled))
     return batch
 
 
@@ -105,7 +107,10 @@ def test_rule1_decode_alone_runs_until_an_exit_decision_is_due():
     assert [step(capped).loop_count for _ in range(4)] == [3, 1, 3, 1]  # R4 caps both kinds
     kv = KVCacheManager(4096, 4, "last_exited", D)
     traced = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=8), kv, make_exit_policy("trace", None), D
+        SchedulerConfig(max_num_batched_tokens=8, async_scheduling=False),
+        kv,
+        make_exit_policy("trace", None),
+        D,
     )
     for req_id, trace in (("a", (2, 3)), ("b", (4, 4))):
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -382,3 +387,33 @@ def test_wavefront_merges_consecutive_chunks_only_where_the_ring_rows_follow():
     assert spans == [(12, 4, 1, 12), (16, 4, 1, 0), (20, 8, 0, 4)]
     planner.advance(req, tasks, 1)
     assert [(p.token_start, p.depth) for p in req.pieces] == [(12, 2), (16, 2), (20, 1), (24, 1)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_update_reads_the_tokens_that_are_due(async_scheduling):
+    """`update` takes the runner's answer right after launch: it advances the loops at once and
+    reads back this step's tokens, or with async scheduling the previous step's (this step's
+    callable is not called until the next `update`); it returns the requests that got tokens
+    with their output counts before them."""
+    kv = KVCacheManager(4096, 4, "last_exited", D)
+    config = SchedulerConfig(max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    s = Scheduler(config, kv, make_exit_policy("ouro", None), D)
+    s.add_request(request("a", 3, max_tokens=2))
+    read: list[int] = []  # the steps whose tokens were read, in order
+
+    def answer(step: int, batch) -> StepOutput:
+        def tokens():
+            read.append(step)
+            return {r: SampledToken(10 + step, None, ()) for r in batch.sample_req_ids}
+
+        return StepOutput((), tokens)
+
+    got = []
+    for step in range(4):
+        batch = s.schedule()
+        got.append([(r.request_id, before) for r, before in s.update(batch, answer(step, batch))])
+        assert read[-1:] == ([step] if not async_scheduling else [step - 1] if step else [])
+    assert kv.num_free_blocks == kv.num_total_blocks and not s.has_unfinished()  # a ended
+    # the prompt's step samples nothing; the next two sample a's tokens at their start
+    want = [[], [("a", 0)], [("a", 1)], []]
+    assert got == (want if not async_scheduling else [[], *want[:-1]])

@@ -12,6 +12,7 @@ from vllm_rlt.core.sched.execution_batch import (
     DraftSample,
     RowKind,
     SampledToken,
+    StepOutput,
     VerifySample,
 )
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
@@ -26,7 +27,8 @@ D = 4
 def scheduler(k: int, d: int, **kw) -> Scheduler:
     kv = KVCacheManager(4096, 4, "last_exited", D)
     spec = SpeculativeConfig(num_speculative_tokens=k, speculative_draft_loops=d)
-    return Scheduler(SchedulerConfig(**kw), kv, make_exit_policy("ouro", None), D, speculative=spec)
+    config = SchedulerConfig(async_scheduling=False, **kw)  # the fake runner answers at once
+    return Scheduler(config, kv, make_exit_policy("ouro", None), D, speculative=spec)
 
 
 def stepper(s: Scheduler):
@@ -38,8 +40,7 @@ def stepper(s: Scheduler):
         sampled = {r: SampledToken(7, None, ()) for r in batch.sample_req_ids}
         sampled |= {v: tuple(SampledToken(t, None, ()) for t in accepted)
                     for v in batch.verifies}  # fmt: skip
-        s.advance(batch, ())
-        s.apply_tokens(batch, sampled)
+        s.update(batch, StepOutput((), lambda: sampled))
         rows = [(t.kind, t.token_start, t.num_tokens, t.depth) for t in batch.requests]
         return batch, rows
 
@@ -51,7 +52,7 @@ def test_a_window_step_by_step(d):
     """A decode-only window of K = 2 takes one step of (K + 1) d + D - d loops: its row drafts
     every position in turn (the draft tokens sampled between positions), then turns into the
     verify rows of all three positions, and the acceptance closes the step."""
-    s = scheduler(2, d, max_num_batched_tokens=16, async_scheduling=False)
+    s = scheduler(2, d, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     s.add_request(Request("a", list(range(6)), params, ExitSettings(1, D, 1.0), seed=0))
     step = stepper(s)

@@ -109,8 +109,7 @@ def test_prefill_is_atomic_and_prefix_caching_is_off(model_dir):
             assert batch.loop_count == eng.num_loops
             assert len(prefill) == len(batch.requests)
         launched = eng.runner.execute(batch)
-        eng.scheduler.advance(batch, launched.decode_gate_logits)
-        eng.scheduler.apply_tokens(batch, launched.read_tokens())
+        eng.scheduler.update(batch, launched)
 
 
 def sampled(eng, prompt, params, others=()):

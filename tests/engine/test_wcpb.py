@@ -194,8 +194,7 @@ def test_wavefront_plans_one_loop_decode_first_deepest_first(model_dir):
         saw_chunks |= any(len(d) > 1 for d in per_req.values())
         assert batch.num_rows <= 45
         launched = eng.runner.execute(batch)
-        eng.scheduler.advance(batch, launched.decode_gate_logits)
-        eng.scheduler.apply_tokens(batch, launched.read_tokens())
+        eng.scheduler.update(batch, launched)
     assert saw_depths >= 3, "no invocation held tasks at three depths: no wavefront"
     assert saw_decode, "decode rows never shared an invocation with prefill tasks"
     assert saw_chunks, "no invocation held two depths of one request"

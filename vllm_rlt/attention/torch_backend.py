@@ -17,6 +17,12 @@ class TorchAttentionBackend:
     name = "torch"
     supports_cuda_graphs = False  # loops over the metadata's host copies
 
+    def __init__(self) -> None:
+        # the segments of the invocation seen last, which its every layer shares: host tuples
+        # (seg_token_starts_host, seg_row_starts_host) -> per segment (first row, end row,
+        # context length, the positions its rows must not see, or None when they see them all)
+        self._segments: tuple[tuple, list[tuple]] | None = None
+
     def forward(
         self,
         q: torch.Tensor,
@@ -34,10 +40,7 @@ class TorchAttentionBackend:
         bs = meta.block_size
         acc = acc_dtype(q.dtype)
         out = torch.empty_like(q)
-        rows = meta.seg_row_starts_host
-        for s, t0 in enumerate(meta.seg_token_starts_host):
-            r0, r1 = rows[s], rows[s + 1]
-            ctx = t0 + r1 - r0
+        for s, (r0, r1, ctx, unseen) in enumerate(self._segments_of(meta, q.device)):
             blocks = meta.block_tables[s, : (ctx + bs - 1) // bs].long()
             keys = cache.k[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
             vals = cache.v[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
@@ -45,12 +48,29 @@ class TorchAttentionBackend:
             keys = keys.repeat_interleave(group, dim=1)
             vals = vals.repeat_interleave(group, dim=1)
             scores = torch.einsum("nhd,chd->hnc", q[r0:r1].to(acc), keys) * head_dim**-0.5
-            row_pos = torch.arange(t0, ctx, device=q.device)
-            visible = torch.arange(ctx, device=q.device)[None, :] <= row_pos[:, None]
-            scores = scores.masked_fill(~visible, float("-inf"))
+            if unseen is not None:
+                scores = scores.masked_fill(unseen, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[r0:r1] = torch.einsum("hnc,chd->nhd", probs, vals).to(q.dtype)
         return out
+
+    def _segments_of(self, meta: AttentionMetadata, device: torch.device) -> list[tuple]:
+        """Each segment's rows, context and causal mask (a row sees the positions up to its
+        own: the mask is True after it), from the metadata's host copies; computed once for the
+        layers of an invocation."""
+        key = (meta.seg_token_starts_host, meta.seg_row_starts_host, device)
+        if self._segments is None or self._segments[0] != key:
+            rows, segments = meta.seg_row_starts_host, []
+            for s, t0 in enumerate(meta.seg_token_starts_host):
+                r0, r1 = rows[s], rows[s + 1]
+                ctx = t0 + r1 - r0
+                unseen = None  # one row: it sees every position up to its own
+                if r1 - r0 > 1:
+                    row_pos = torch.arange(t0, ctx, device=device)
+                    unseen = torch.arange(ctx, device=device)[None, :] > row_pos[:, None]
+                segments.append((r0, r1, ctx, unseen))
+            self._segments = (key, segments)
+        return self._segments[1]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: KVLayer, slot_mapping: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The synchronous engine: `add_request`, `step`, `abort_request`.
 
-A step is `schedule -> execute -> update` (docs/design/architecture.md §3) plus output
-processing; the engine adds validation and bookkeeping around it, never scheduling logic.
+A step is `schedule -> execute -> update -> emit` (docs/design/architecture.md §3); the
+engine adds validation and output processing around it, never scheduling logic.
 
 With async scheduling (the default) a step queues its work on the device and advances the
 scheduler by its loops, then reads back the tokens the previous step sampled: by then the device
@@ -21,7 +21,7 @@ import time
 import torch
 
 from vllm_rlt.config import EngineConfig
-from vllm_rlt.core.sched.execution_batch import ExecutionBatch, SampledToken, StepOutput
+from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.engine.assembly import assemble
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineSnapshot, EngineStats
@@ -49,10 +49,6 @@ class LLMEngine:
         self.handoff = parts.handoff  # PD's seam
         self.max_model_len = parts.max_model_len
         self.outputs = OutputProcessor(self.tokenizer)
-        # async scheduling: the last step's batch, its tokens not yet read back
-        self._unread: tuple[ExecutionBatch, StepOutput] | None = None
-        # a device run queued by the last step: its tokens are read before the next plan
-        self._unread_run: tuple[ExecutionBatch, StepOutput] | None = None
         self._seeds = random.Random(config.model.seed)  # seeds for requests that give none
         self.stats = EngineStats()
         eos = self.model_config.eos_token_id
@@ -152,7 +148,7 @@ class LLMEngine:
         first token; returns the output carrying that token."""
         self.outputs.add(req.request_id, None, req.prompt_token_ids, [req.request_id])
         self.scheduler.add_prefilled(req, first)
-        return self._emit([req])
+        return self._emit([(req, 0)])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its samples) in any state; its KV is freed at once. Returns its
@@ -226,64 +222,19 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and queue a step; returns the outputs of the tokens read back in it: this
-        step's, or with async scheduling the previous step's. A device run's tokens come with
-        the next step (which reads them before it plans: the plan needs its rows' states); the
-        tokens sampled at its start, first tokens among them, with its own step; a run that
-        goes on from the last one is queued before the last one's tokens are read."""
-        outputs = []
+        """Schedule, execute, update, emit: queue one step on the device and return the outputs
+        of the tokens the scheduler read back in it (`Scheduler.update` says which: with async
+        scheduling, the previous step's)."""
         batch = self.scheduler.schedule()
-        if batch is None:  # the plan needs the results of the run in flight
-            outputs = self._read_run()
-            batch = self.scheduler.schedule()
-        launched = self.runner.execute(batch)
+        output = self.runner.execute(batch)
         self.stats.record_batch(batch, self.num_loops)
-        self.scheduler.advance(batch, launched.decode_gate_logits)
-        ready = (batch, launched)
-        if batch.decode_run is not None:
-            outputs += self._read_run()  # the run this one continues
-            unread, self._unread, self._unread_run = self._unread, None, ready
-            return (
-                outputs + (self._read_tokens(*unread) if unread else []) + self._read_tokens(*ready)
-            )
-        if self.config.scheduler.async_scheduling:  # read the previous step's tokens instead
-            ready, self._unread = self._unread, ready
-        return outputs + (self._read_tokens(*ready) if ready is not None else [])
+        return self._emit(self.scheduler.update(batch, output))
 
-    def _read_tokens(self, batch: ExecutionBatch, launched: StepOutput) -> list[RequestOutput]:
-        """Apply and emit a step's sampled tokens (several for a verified window)."""
-        requests = self.scheduler.requests
-        for req_id, scored in launched.read_prompt_logprobs().items():
-            req = requests.get(req_id)
-            if req is None:  # ended meanwhile
-                continue
-            for position, token in scored:
-                req.prompt_logprobs[position] = token.logprobs()
-        windows = [v.request_id for v in batch.verifies]
-        before = {r: len(requests[r].output_token_ids) for r in windows if r in requests}
-        return self._emit(self.scheduler.apply_tokens(batch, launched.read_tokens()), before)
-
-    def _read_run(self) -> list[RequestOutput]:
-        """Apply and emit the tokens of the device run queued by the last step, if any."""
-        if self._unread_run is None:
-            return []
-        (batch, launched), self._unread_run = self._unread_run, None
-        requests = self.scheduler.requests
-        tasks = batch.requests[: len(batch.decode_run.rows)]
-        rows = [t.request_id for t in tasks if t.request_id in requests]
-        before = {r: len(requests[r].output_token_ids) for r in rows}
-        return self._emit(self.scheduler.apply_run(batch, launched.read_run()), before)
-
-    def _emit(
-        self, touched: list[Request], before: dict[str, int] | None = None
-    ) -> list[RequestOutput]:
-        """Outputs of the requests that got tokens (stop strings end them here): one token
-        each, or several for a verified window or a device run (`before`: its output count
-        before them; of those, the tokens after the one that completes a stop string are
-        dropped)."""
-        before = before or {}
-        for req in touched:
-            first = before.get(req.request_id, len(req.output_exit_depths) - 1)
+    def _emit(self, got: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """Outputs of the requests that got tokens (each with its output count before them):
+        detokenization and stop strings end them here; of several tokens that came back
+        together, those after the one that completes a stop string are dropped."""
+        for req, first in got:
             try:  # detokenization, stop strings, logprobs: work of this request alone
                 hit = self.outputs.process(req)
                 if hit is not None and len(req.output_token_ids) - first > 1:
@@ -296,7 +247,7 @@ class LLMEngine:
                 self.stats.record_token(depth)
             if hit is not None and not req.status.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-        return self.outputs.collect([r.request_id for r in touched])
+        return self.outputs.collect([req.request_id for req, _ in got])
 
     def _fail_request(self, req_id: str) -> None:
         """End one request whose own processing raised (finish_reason "error", its KV freed);

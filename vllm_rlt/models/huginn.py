@@ -29,7 +29,7 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import LAYER_KERNELS, ConfigError
+from vllm_rlt.config import ConfigError, check_layer_kernels
 from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.layers import RMSNorm
@@ -159,9 +159,8 @@ class HuginnForCausalLM(nn.Module):
         attention_backend: str | AttentionBackend = "torch",
         layer_kernels: str = "auto",
     ):
+        check_layer_kernels(layer_kernels)
         super().__init__()
-        if layer_kernels not in LAYER_KERNELS:
-            raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {layer_kernels!r}")
         if layer_kernels == "invariant":
             raise ConfigError("batch_invariant is not available for Huginn: its layers run with "
                               "torch ops, whose GEMMs depend on the number of rows")  # fmt: skip

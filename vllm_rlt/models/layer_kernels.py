@@ -36,7 +36,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from vllm_rlt.config import LAYER_KERNELS, ConfigError
+from vllm_rlt.config import check_layer_kernels
 from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
 from vllm_rlt.tensor_utils import acc_dtype
@@ -209,8 +209,7 @@ _INSTANCES: dict[str, LayerKernels] = {}
 
 def get_layer_kernels(name: str, device: torch.device) -> LayerKernels:
     """The strategy `name` from LAYER_KERNELS; "auto" picks skinny on CUDA, torch elsewhere."""
-    if name not in LAYER_KERNELS:
-        raise ConfigError(f"unknown layer kernels {name!r}; choose one of {LAYER_KERNELS}")
+    check_layer_kernels(name)
     if name == "auto":
         name = "skinny" if device.type == "cuda" else "torch"
     if name not in _INSTANCES:

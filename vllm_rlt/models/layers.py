@@ -23,9 +23,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(acc_dtype(x.dtype))
+        acc = acc_dtype(x.dtype)
+        x32 = x if x.dtype == acc else x.to(acc)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * (normed if x.dtype == acc else normed.to(x.dtype))
 
 
 class RotaryEmbedding(nn.Module):

@@ -18,7 +18,7 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import LAYER_KERNELS
+from vllm_rlt.config import check_layer_kernels
 from vllm_rlt.config_fields import check_field_types
 from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
@@ -215,9 +215,8 @@ class OuroForCausalLM(nn.Module):
         attention_backend: str | AttentionBackend = "torch",
         layer_kernels: str = "auto",
     ):
+        check_layer_kernels(layer_kernels)
         super().__init__()
-        if layer_kernels not in LAYER_KERNELS:
-            raise ValueError(f"layer_kernels must be one of {LAYER_KERNELS}, got {layer_kernels!r}")
         # which LayerKernels run the layers: "auto" (skinny on CUDA, torch elsewhere), "torch",
         # "fused" or "skinny" (tests and benchmarks pick one)
         self.layer_kernels = layer_kernels

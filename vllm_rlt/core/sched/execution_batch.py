@@ -260,10 +260,10 @@ def by_request(tasks, kind: RowKind | None = None) -> dict[str, list[ScheduledRe
 @dataclass(frozen=True)
 class StepOutput:
     """The runner's answer to a plan (`ModelRunner.execute`), the only one: what the host has at
-    launch, and callables that wait for the rest. The scheduler takes it in three places:
-    `advance` at launch (the gate logits), `apply_tokens` when the samples are read back (in the
-    step, or with async scheduling in the next), `apply_run` when a device run's results are
-    (before the next plan, or once the run that goes on from it is queued)."""
+    launch, and callables that wait for the rest. The scheduler takes it in `Scheduler.update`
+    right after the launch, and calls the callables when their results are due (this step, or
+    with async scheduling the next; a device run's before the next plan, or once the run that
+    goes on from it is queued)."""
 
     # gate logits of the decode rows that `reads_gate` (of their single invocation), in plan
     # order: read at launch, because the next plan needs their exit decisions

@@ -1,4 +1,4 @@
-"""The scheduler: admission, the per-step plan (`schedule`) and its consequences (`update`).
+"""The scheduler: admission, the per-step plan (`schedule`) and the runner's answer (`update`).
 
 Invariant of `schedule()`: every row of the plan's first invocation counts against
 `max_num_batched_tokens`; decode rows come before prefill tasks, and a batch with decode rows
@@ -36,6 +36,7 @@ from vllm_rlt.core.sched.execution_batch import (
     RowKind,
     SampledToken,
     ScheduledRequest,
+    StepOutput,
     by_request,
     split_kinds,
 )
@@ -89,6 +90,12 @@ class Scheduler:
         self._apart_now = False  # R7 holds in this step
         self._prefill_turn = False  # under R7: the next batch is prefill's
         self._flight: ExecutionBatch | None = None  # the last device run, its results not applied
+        # the runner's answers whose tokens are not read yet: with async scheduling the last
+        # step's (`_unread`), and the last device run's (`_unread_run`, read before the next
+        # plan or once the run that goes on from it is queued)
+        self._unread: tuple[ExecutionBatch, StepOutput] | None = None
+        self._unread_run: tuple[ExecutionBatch, StepOutput] | None = None
+        self._got: dict[str, tuple[Request, int]] = {}  # requests given tokens since `update`
         self.num_preemptions = 0
         self.prefix_queries = 0  # positions looked up in the prefix cache at admission
         self.prefix_hits = 0  # positions found there
@@ -129,11 +136,15 @@ class Scheduler:
         return bool(self.requests)
 
     # ---- schedule ---------------------------------------------------------------------------
-    def schedule(self) -> ExecutionBatch | None:
-        """The next step's plan; None while a device run is in flight (planned, its results not
-        applied) and the next plan is not its continuation: apply them (`apply_run`) first."""
+    def schedule(self) -> ExecutionBatch:
+        """The next step's plan. While a device run is in flight (planned, its results not
+        applied), the continuation of that run; when the plan cannot be one, the run's results
+        are read back first (this waits for the device)."""
         if self._flight is not None:
-            return self._carry()
+            carried = self._carry()
+            if carried is not None:
+                return carried
+            self._read_run()
         admitted = self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
@@ -377,7 +388,59 @@ class Scheduler:
         return self.planner.plan([r for r in self.running if r.in_prefill], budget)
 
     # ---- update -----------------------------------------------------------------------------
-    def advance(self, batch: ExecutionBatch, decode_gate_logits: tuple[float, ...]) -> None:
+    def update(self, batch: ExecutionBatch, output: StepOutput) -> list[tuple[Request, int]]:
+        """Take the runner's answer to `batch`, right after its launch: the step's loops advance
+        the requests (`decode_gate_logits` decide exits now), and the sampled tokens that are
+        due are read back and applied (stop tokens, `max_tokens`): this step's, or with async
+        scheduling (`SchedulerConfig.async_scheduling`) the last step's, whose device work has
+        long finished; a device run's when the run that goes on from it is queued, or before
+        the next plan (`schedule`). Returns the requests that got tokens since the last
+        `update`, each with its number of output tokens before them, in the order read."""
+        self._advance(batch, output.decode_gate_logits)
+        answer = (batch, output)
+        if batch.decode_run is not None:
+            self._read_run()  # the run this one continues
+            unread, self._unread, self._unread_run = self._unread, None, answer
+            if unread is not None:
+                self._read_tokens(*unread)
+            self._read_tokens(*answer)
+        else:
+            if self.config.async_scheduling:
+                answer, self._unread = self._unread, answer
+            if answer is not None:
+                self._read_tokens(*answer)
+        got, self._got = self._got.values(), {}
+        return [(req, before) for req, before in got if len(req.output_token_ids) > before]
+
+    def _note(self, req_ids) -> None:
+        """Remember the output counts of `req_ids` before tokens are applied to them."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None and req_id not in self._got:
+                self._got[req_id] = (req, len(req.output_token_ids))
+
+    def _read_tokens(self, batch: ExecutionBatch, output: StepOutput) -> None:
+        """Wait for the tokens sampled in `batch` (and its scored prompt tokens) and apply them."""
+        for req_id, scored in output.read_prompt_logprobs().items():
+            req = self.requests.get(req_id)
+            if req is None:  # ended meanwhile
+                continue
+            for position, token in scored:
+                req.prompt_logprobs[position] = token.logprobs()
+        sampled = output.read_tokens()
+        self._note([*batch.sample_req_ids, *(v.request_id for v in batch.verifies)])
+        self._apply_tokens(batch, sampled)
+
+    def _read_run(self) -> None:
+        """Wait for the results of the device run queued last, if any, and apply them."""
+        if self._unread_run is None:
+            return
+        (batch, output), self._unread_run = self._unread_run, None
+        results = output.read_run()
+        self._note(t.request_id for t in batch.requests[: len(results)])
+        self._apply_run(batch, results)
+
+    def _advance(self, batch: ExecutionBatch, decode_gate_logits: tuple[float, ...]) -> None:
         """The step's loops: decode tokens' depths and exit decisions (`decode_gate_logits`: of
         the rows that `reads_gate`, in plan order), prefill progress. Needs no sampled token, so
         the next step can be scheduled before they are read back."""
@@ -412,35 +475,28 @@ class Scheduler:
         token = DecodeToken(position=req.prefill_len, index=index)
         self.decode.start(req, token, len(self.decode.decoding(self.running)))
 
-    def apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> list[Request]:
+    def _apply_tokens(self, batch: ExecutionBatch, sampled: dict) -> None:
         """The tokens `batch` sampled (request_id -> SampledToken; VerifySample -> the accepted
         tokens), oldest unread first: stop checks; a request that finished meanwhile ignores its
-        later tokens. Returns the requests that got a token."""
-        touched = []
+        later tokens."""
         for req_id in batch.sample_req_ids:
             req = self.requests.get(req_id)
             if req is not None and req.pending_exit_depths:
                 self._append_token(req, sampled[req_id])
-                touched.append(req)
         for verify in batch.verifies:
             req = self.requests.get(verify.request_id)
             if req is not None and req.spec is not None and req.spec.verified:
                 self._accept(req, sampled[verify])
-                touched.append(req)
-        return list({id(r): r for r in touched}.values())
 
-    def apply_run(self, batch: ExecutionBatch, results) -> list[Request]:
+    def _apply_run(self, batch: ExecutionBatch, results) -> None:
         """A device run's tokens and its rows' final states (`RunRowResult` per task, after the
-        step's own samples were applied); returns the requests still here."""
+        step's own samples were applied)."""
         if batch is self._flight:
             self._flight = None
-        touched = []
         for task, result in zip(batch.requests[: len(results)], results, strict=True):
             req = self.requests.get(task.request_id)
             if req is not None:
                 self.runs.apply(req, result, self._append_token)
-                touched.append(req)
-        return touched
 
     @staticmethod
     def drop_outputs(req: Request, num_tokens: int) -> None:
