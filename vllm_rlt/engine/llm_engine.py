@@ -24,7 +24,7 @@ from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.engine.assembly import assemble
 from vllm_rlt.engine.output_processor import OutputProcessor
-from vllm_rlt.engine.stats import EngineSnapshot, EngineStats
+from vllm_rlt.engine.stats import EngineSnapshot, EngineStats, KVCapacity
 from vllm_rlt.models.loader import LoadedModel
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
@@ -169,6 +169,16 @@ class LLMEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges and counters now (read between steps)."""
         return EngineSnapshot.of(self.scheduler, self.kv_manager, self.stats_dict())
+
+    def kv_capacity(self) -> KVCapacity:
+        kv = self.kv_manager
+        return KVCapacity(
+            kv.num_total_blocks, kv.block_size, kv.num_planes, kv.max_tokens_per_request()
+        )
+
+    def kv_amax(self) -> list[tuple[float, float]]:
+        """Per layer, the largest |K| and |V| the KV cache holds now (FP8 scale calibration)."""
+        return self.runner.kv_cache.amax()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

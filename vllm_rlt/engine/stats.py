@@ -81,6 +81,16 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class KVCapacity:
+    """What the engine's KV cache holds (fixed once the engine is built)."""
+
+    num_blocks: int  # blocks of each plane
+    block_size: int  # positions per block
+    num_planes: int  # KV planes (loop depths, plus edge planes)
+    max_tokens_per_request: int  # most positions one request can hold in every plane
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """Engine gauges read on the loop between steps (safe to read from anywhere)."""
 

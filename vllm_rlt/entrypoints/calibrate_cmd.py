@@ -85,7 +85,7 @@ def measure(llm, texts: list[str], window: int, headroom: float) -> list[tuple[f
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [
         tuple((amax * headroom / FP8_MAX) if amax > 0 else 1.0 for amax in pair)
-        for pair in llm.engine.runner.kv_cache.amax()
+        for pair in llm.engine.kv_amax()
     ]
 
 

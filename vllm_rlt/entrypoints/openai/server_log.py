@@ -21,8 +21,7 @@ MAX_LOGGED_IDS = 32  # prompt token ids shown per request line
 
 def log_startup(engine: LLMEngine, served_model_name: str) -> None:
     weight = engine.model.lm_head.weight
-    kv = engine.kv_manager
-    positions = kv.max_tokens_per_request()
+    kv = engine.kv_capacity()
     logger.info(
         "serving %r (%s) dtype=%s device=%s depth=%d; KV cache: %d blocks of %d positions over %d "
         "planes, max_model_len %d; maximum concurrency for %d tokens per request: %.2fx",
@@ -31,12 +30,12 @@ def log_startup(engine: LLMEngine, served_model_name: str) -> None:
         str(weight.dtype).removeprefix("torch."),
         weight.device,
         engine.num_loops,
-        kv.num_total_blocks,
+        kv.num_blocks,
         kv.block_size,
         kv.num_planes,
         engine.max_model_len,
         engine.max_model_len,
-        positions / engine.max_model_len,
+        kv.max_tokens_per_request / engine.max_model_len,
     )
     logger.info("engine: %s", engine.settings_summary())
 
