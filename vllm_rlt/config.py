@@ -340,15 +340,15 @@ class ExitConfig:
 class SpeculativeConfig:
     num_speculative_tokens: int = field_help(
         "self-speculative decoding: tokens a decoding request drafts with fewer loops before "
-        "one verify pass over the remaining loops checks them (0: off; needs fixed depth, "
-        "docs/design/speculative.md)",
+        "the full-depth model checks them (0: off). At fixed depth in windows; with the exit "
+        "gate in device runs, greedy requests only (docs/design/speculative.md)",
         default=0,
     )
     speculative_draft_loops: int = field_help(
         "loops a draft token runs (1 <= loops < the model's depth)", default=1
     )
     speculative_max_decode_rows: int = field_help(
-        "adaptive rule: speculation is off for a window that starts while more requests than "
+        "speculation is off for a window or device run that starts while more requests than "
         "this decode (verify rows multiply the rows per invocation, which stops paying once "
         "invocations leave the weight-bound regime)",
         default=8,
@@ -446,13 +446,15 @@ class EngineConfig:
                 "positions as a task from the draft depth on); set num_speculative_tokens=0"
             )
 
-    def check_speculation(self, num_loops: int, default_threshold: float | None) -> None:
-        """Speculation needs fixed depth (every token runs all `num_loops` loops), so that a
-        draft's first loops are the target's (docs/design/speculative.md §3).
-        `default_threshold`: the model config's exit threshold."""
+    def check_speculation(self, num_loops: int, default_threshold: float | None) -> bool:
+        """Whether speculation runs in device runs, with lanes (the exit gate is on: a draft's
+        first loops are the target's only up to its exit), rather than in windows (fixed depth:
+        every token runs all `num_loops` loops); refuses what neither covers
+        (docs/design/speculative.md §3). `default_threshold`: the model config's exit
+        threshold."""
         spec = self.speculative
         if not spec.num_speculative_tokens:
-            return
+            return False
         d = spec.speculative_draft_loops
         check(d < num_loops, "speculative_draft_loops", d, f"< the model's depth ({num_loops})")
         if self.cache.kv_layout == KVLayout.SHARED.value:
@@ -462,14 +464,28 @@ class EngineConfig:
                 "each would read the one before at its own depth, not at full depth; use "
                 "kv_layout='last_exited' or num_speculative_tokens=0"
             )
+        if self.exit.exit_mode == "trace":
+            raise ConfigError(
+                f"num_speculative_tokens={spec.num_speculative_tokens} cannot run with "
+                "exit_mode='trace' (traced exit depths are given per output token, not decided "
+                "by the model); use exit_mode 'ouro' or 'ouro_delayed', or "
+                "num_speculative_tokens=0"
+            )
         threshold = self.exit.exit_threshold
         threshold = default_threshold if threshold is None else threshold
-        if self.exit.exit_mode == "trace" or (threshold is not None and threshold < 1.0):
+        if threshold is None or threshold >= 1.0:
+            return False
+        sc = self.scheduler
+        if sc.run_loops < 2 or sc.scheduling_mode == "no_refill":
             raise ConfigError(
-                f"num_speculative_tokens={spec.num_speculative_tokens} needs fixed depth, but "
-                f"exit_mode={self.exit.exit_mode!r} with exit_threshold={threshold} lets tokens "
-                "exit early; set exit_threshold=1 (exit_mode ouro) or num_speculative_tokens=0"
+                f"num_speculative_tokens={spec.num_speculative_tokens} with the exit gate "
+                f"(exit_threshold={threshold}) speculates in device runs, which "
+                f"device_decode_loops={sc.run_loops} with scheduling_mode="
+                f"{sc.scheduling_mode!r} turns off; set device_decode_loops >= 2 and "
+                "scheduling_mode 'refill' or 'mixed', exit_threshold=1, or "
+                "num_speculative_tokens=0"
             )
+        return True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -92,3 +92,42 @@ def test_the_kernels_compute_what_their_torch_form_computes(device, mode, kv_dty
         assert torch.equal(buffers[0], buffers[1]) and torch.equal(kv[0].bytes, kv[1].bytes)
         assert torch.equal(windows[0], windows[1])
     assert int(kernel_state.exited[:ROWS].sum()) + int(kernel_state.done[:ROWS].sum()) > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lanes,draft_loops", [(3, 1), (4, 2), (2, 1)])
+def test_take_lanes_computes_what_its_torch_form_computes(device, lanes, draft_loops):
+    """Runs with lanes (speculation with the exit gate): rows of one live lane each, driven
+    through rounds of the exit rule and `take_lanes` with tokens from a vocabulary of two, so
+    that drafts are accepted, rejected and taken several at a time."""
+    gen = torch.Generator().manual_seed(lanes * 10 + draft_loops)
+    n = 3
+    r = n * lanes
+    rounds = 24
+    s = RunState(MAX_ROWS, rounds, VOCAB, PLANES, BLOCKS, HIDDEN, torch.float32, device,
+                 lanes=lanes)  # fmt: skip
+    position = torch.randint(0, 20, (n,), generator=gen)
+    s.position[:r] = position.repeat_interleave(lanes).to(device)
+    live = torch.arange(r) % lanes == (position % lanes).repeat_interleave(lanes)
+    s.done[:r] = ~live.to(device)
+    s.count[:r] = torch.randint(1, 4, (n,), generator=gen).repeat_interleave(lanes).to(device)
+    s.max_count[:r] = s.count[:r] + rounds
+    s.min_loops[:r], s.max_loops[:r] = 1, PLANES
+    s.threshold[:r] = 0.6
+    s.remaining[:r] = 1.0
+    s.speculates[:r] = torch.tensor([True, True, False]).repeat_interleave(lanes).to(device)
+    s.stop_mask[lanes : 2 * lanes, 1] = True  # the second row stops on token 1
+    s.state_rows[:r] = torch.arange(r).to(device)
+    states = [s, copy.deepcopy(s)]
+    buffer = torch.zeros(r, HIDDEN, device=device)
+    several = 0  # phases where a row took more than one token
+    for _ in range(rounds):
+        gate = (torch.randn(r, generator=gen) * 2).to(device)
+        tokens = torch.randint(0, 2, (r,), generator=gen).to(device)
+        for ops, state in zip((run_rows, run_rows_torch), states, strict=True):
+            run_rows_torch.exit_rows(state, r, "ouro", gate, buffer[:r], buffer.clone())
+            ops.take_lanes(state, n, lanes, draft_loops, tokens)
+        _compare(states[0], states[1], [])
+        taken = states[0].sampled[int(states[0].phase) - 1, :r].view(n, lanes).sum(1)
+        several += int((taken > 1).sum())
+    assert several > 0

@@ -78,7 +78,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     model_dir, loaded = load(config, loaded)
     model, c = loaded.model, loaded.config
     num_loops, weight = model.num_loops, model.lm_head.weight
-    config.check_speculation(num_loops, c.early_exit_threshold)
+    spec_runs = config.check_speculation(num_loops, c.early_exit_threshold)
     max_drafts = config.speculative.num_speculative_tokens
     max_context = mc.max_model_len or c.max_position_embeddings
     # the loops' planes, then the planes of layers outside the loop (Huginn's prelude, coda)
@@ -86,7 +86,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
 
     # everything that stays on the device besides the KV cache exists before it is sized
     planner = make_planner(sc, cc.kv_layout, num_loops)
-    # a speculative window's rows use the ring once the prompt is done
+    # a speculative window's rows (or a run's lanes) use the ring once the prompt is done
     ring_rows = max(planner.ring_slots * planner.chunk_size, max_drafts + 1)
     states = HiddenStateStore(sc.max_num_seqs, ring_rows, model.state_size, weight.dtype,
                               weight.device)  # fmt: skip
@@ -96,6 +96,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         run_state = RunState(
             sc.max_num_seqs, sc.run_loops, weight.shape[0], num_planes,
             -(-max_context // cc.block_size), model.state_size, weight.dtype, weight.device,
+            lanes=max_drafts + 1 if spec_runs else 1,
         )  # fmt: skip
     tile_rows = tile_rows_for(planner.task_rows)
     specs = ()
@@ -126,6 +127,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         atomic_prefill=model.requires_atomic_prefill,
         speculative=config.speculative,
         device_runs=run_state is not None,
+        spec_runs=spec_runs,
         planner=planner,
     )
     graphs, runs = None, None
@@ -137,7 +139,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         runs = DeviceRunner(model, kv_cache, states, windows, run_state, loop_planes, tile_rows,
                             longest, capture=bool(specs))  # fmt: skip
         if specs:  # captured now: a first use mid-serving would stall every row
-            runs.warm_up(config.exit.exit_mode)
+            runs.warm_up(config.exit.exit_mode, config.speculative.speculative_draft_loops)
     runner = ModelRunner(model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs)
     handoff = KVHandoff(scheduler, kv_manager, kv_cache)
     return EngineParts(model_dir, loaded, kv_manager, scheduler, runner, handoff, max_model_len)

@@ -13,7 +13,10 @@ handful of launches besides the recurrent core:
 Each program takes a block of rows (all of them in the interpreter, whose cost grows with the
 number of programs);
 - `take_tokens` (after the sampler): rows whose token exited take the sampled token and record
-  it, stop at max_tokens or a stop token, or start the next token at depth 0 one position on.
+  it, stop at max_tokens or a stop token, or start the next token at depth 0 one position on;
+- `take_lanes` (after the sampler, in a run with lanes: speculation with the exit gate,
+  docs/design/speculative.md §3): exited lanes keep their target, targets are taken from each
+  row's oldest lane on while the next lane holds that token, the newest lane drafts.
 
 Booleans are stored as torch.bool; a row is live when its request has not stopped (`done`) and its
 token has not exited (`ready`).
@@ -177,6 +180,121 @@ def _take_kernel(
     tl.store(phase_ptr, phase + 1)
 
 
+@triton.jit
+def _take_lanes_kernel(
+    token_ptr, done_ptr, ready_ptr, exited_ptr, has_target_ptr, speculates_ptr, loops_ptr,
+    position_ptr, lane_token_ptr, target_ptr, exit_at_ptr, remaining_ptr, count_ptr,
+    max_count_ptr, stop_ptr, record_token_ptr, record_sampled_ptr, record_depth_ptr,
+    record_index_ptr, phase_ptr, num_requests, max_rows, vocab_size, draft_loops,
+    LANES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    req = tl.arange(0, BLOCK_N)[:, None]
+    lane = tl.arange(0, BLOCK_W)[None, :]
+    m = (req < num_requests) & (lane < LANES)
+    rows = req * LANES + lane
+    first = tl.arange(0, BLOCK_N) * LANES  # each request's first lane
+    mr = tl.arange(0, BLOCK_N) < num_requests
+    done = tl.load(done_ptr + rows, mask=m, other=1).to(tl.int32) != 0
+    ready = tl.load(ready_ptr + rows, mask=m, other=0).to(tl.int32) != 0
+    exited = tl.load(exited_ptr + rows, mask=m, other=0).to(tl.int32) != 0
+    has_target = tl.load(has_target_ptr + rows, mask=m, other=0).to(tl.int32) != 0
+    speculates = tl.load(speculates_ptr + rows, mask=m, other=0).to(tl.int32) != 0
+    loops = tl.load(loops_ptr + rows, mask=m, other=0)
+    pos = tl.load(position_ptr + rows, mask=m, other=0)
+    token = tl.load(lane_token_ptr + rows, mask=m, other=0)
+    target = tl.load(target_ptr + rows, mask=m, other=0)
+    exit_at = tl.load(exit_at_ptr + rows, mask=m, other=0)
+    remaining = tl.load(remaining_ptr + rows, mask=m, other=1.0)
+    drawn = tl.load(token_ptr + rows, mask=m, other=0)
+    fresh = ready & ~done & ~has_target
+    target = tl.where(fresh, drawn, target)
+    has_target = has_target | fresh
+    count = tl.load(count_ptr + first, mask=mr, other=0)
+    max_count = tl.load(max_count_ptr + first, mask=mr, other=0)
+    stops = stop_ptr + first.to(tl.int64) * vocab_size
+    big = 1 << 62
+    taken = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int1)
+    rec_token = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int64)
+    rec_depth = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int64)
+    rec_index = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int64)
+    cur = tl.argmin(tl.where(done, big, pos), axis=1).to(tl.int64)
+    go = tl.sum((~done).to(tl.int32), axis=1) > 0
+    for _ in tl.static_range(LANES):  # from the oldest lane on: take, accept or start again
+        at = lane == cur[:, None]
+        go = go & (tl.sum((at & ~done & has_target).to(tl.int32), axis=1) > 0)
+        hot = at & go[:, None]
+        tok = tl.sum(tl.where(at, target, 0), axis=1)
+        taken = taken | hot
+        rec_token = tl.where(hot, tok[:, None], rec_token)
+        rec_depth = tl.where(hot, loops, rec_depth)
+        rec_index = tl.where(hot, count[:, None], rec_index)
+        count += go.to(tl.int64)
+        stop = tl.load(stops + tok, mask=mr & go, other=0).to(tl.int32) != 0
+        ends = go & ((count >= max_count) | stop)
+        nxt = (cur + 1) % LANES
+        after = lane == nxt[:, None]
+        same = after & ~done & (token == tok[:, None])
+        accept = go & ~ends & (tl.sum(same.to(tl.int32), axis=1) > 0)
+        again = go & ~ends & ~accept
+        done = done | hot | (ends | again)[:, None]
+        start = after & again[:, None]
+        position = tl.sum(tl.where(at, pos, 0), axis=1) + 1
+        done = done & ~start
+        ready = ready & ~start
+        has_target = has_target & ~start
+        exited = exited & ~start
+        loops = tl.where(start, 0, loops)
+        exit_at = tl.where(start, 0, exit_at)
+        remaining = tl.where(start, 1.0, remaining)
+        token = tl.where(start, tok[:, None], token)
+        pos = tl.where(start, position[:, None], pos)
+        cur = tl.where(accept, nxt, cur)
+        go = accept
+    # the newest lane drafts the next position
+    live = ~done
+    length = tl.sum(live.to(tl.int64), axis=1)
+    tail = (tl.argmin(tl.where(done, big, pos), axis=1).to(tl.int64) + length - 1) % LANES
+    at = lane == tail[:, None]
+    tail_exited = tl.sum((at & ready).to(tl.int32), axis=1) > 0
+    draft = tl.where(tail_exited, tl.sum(tl.where(at, target, 0), axis=1),
+                     tl.sum(tl.where(at, drawn, 0), axis=1))  # fmt: skip
+    deep = tl.sum(tl.where(at, loops, 0), axis=1) >= draft_loops
+    spec = tl.sum((at & speculates).to(tl.int32), axis=1) > 0
+    stop = tl.load(stops + draft, mask=mr, other=0).to(tl.int32) != 0
+    drafts = (length > 0) & (length < LANES) & spec & (tail_exited | deep)
+    drafts = drafts & (count + length < max_count) & ~stop
+    start = (lane == ((tail + 1) % LANES)[:, None]) & drafts[:, None]
+    position = tl.sum(tl.where(at, pos, 0), axis=1) + 1
+    done = done & ~start
+    ready = ready & ~start
+    has_target = has_target & ~start
+    exited = exited & ~start
+    loops = tl.where(start, 0, loops)
+    exit_at = tl.where(start, 0, exit_at)
+    remaining = tl.where(start, 1.0, remaining)
+    token = tl.where(start, draft[:, None], token)
+    pos = tl.where(start, position[:, None], pos)
+    tl.store(done_ptr + rows, done, mask=m)
+    tl.store(ready_ptr + rows, ready, mask=m)
+    tl.store(exited_ptr + rows, exited, mask=m)
+    tl.store(has_target_ptr + rows, has_target, mask=m)
+    tl.store(loops_ptr + rows, loops, mask=m)
+    tl.store(position_ptr + rows, pos, mask=m)
+    tl.store(lane_token_ptr + rows, token, mask=m)
+    tl.store(target_ptr + rows, target, mask=m)
+    tl.store(exit_at_ptr + rows, exit_at, mask=m)
+    tl.store(remaining_ptr + rows, remaining, mask=m)
+    tl.store(count_ptr + rows, count[:, None] + tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int64),
+             mask=m)  # fmt: skip
+    phase = tl.load(phase_ptr)
+    record = phase * max_rows + rows
+    tl.store(record_token_ptr + record, rec_token, mask=m)
+    tl.store(record_sampled_ptr + record, taken, mask=m)
+    tl.store(record_depth_ptr + record, rec_depth, mask=m)
+    tl.store(record_index_ptr + record, rec_index, mask=m)
+    tl.store(phase_ptr, phase + 1)
+
+
 def _row_block(r: int) -> int:
     """Rows per program: all of them in the interpreter (whose cost grows with programs)."""
     return triton.next_power_of_2(r) if INTERPRET else min(triton.next_power_of_2(r), 16)
@@ -236,4 +354,16 @@ def take_tokens(s, r: int, token_ids: torch.Tensor, window_tokens: torch.Tensor)
         s.tokens, s.sampled, s.depths, s.phase, window_tokens, window_tokens.stride(0), s.slots,
         s.remaining, s.position, s.exit_at, s.trace, r, max_rows, vocab, s.trace.shape[1],
         BLOCK_R=triton.next_power_of_2(max(r, 16)), num_warps=4,
+    )  # fmt: skip
+
+
+def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor) -> None:
+    """After a sample phase of a run with lanes (`n` rows of `lanes` lanes in RunState `s`,
+    `token_ids` [n * lanes]): `worker/run_rows_torch.take_lanes`, in one program."""
+    max_rows, vocab = s.stop_mask.shape
+    _take_lanes_kernel[(1,)](
+        token_ids, s.done, s.ready, s.exited, s.has_target, s.speculates, s.loops, s.position,
+        s.token, s.target, s.exit_at, s.remaining, s.count, s.max_count, s.stop_mask, s.tokens,
+        s.sampled, s.depths, s.indices, s.phase, n, max_rows, vocab, draft_loops, LANES=lanes,
+        BLOCK_N=triton.next_power_of_2(n), BLOCK_W=triton.next_power_of_2(lanes), num_warps=4,
     )  # fmt: skip

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.core.sched.execution_batch import ExecutionBatch, RunRowResult
+from vllm_rlt.core.sched.execution_batch import DecodeRun, ExecutionBatch, RunRowResult
 from vllm_rlt.kernels import run_rows
 from vllm_rlt.tensor_utils import read_back
 from vllm_rlt.worker import run_rows_torch
@@ -88,7 +88,7 @@ class DeviceRunner:
         self.host_tables = not all(getattr(b, "supports_cuda_graphs", False) for b in backends)
         self.capture = capture and not self.host_tables
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.buckets = capped(DECODE_BUCKETS, state.slots.shape[0])
+        self.buckets = capped(DECODE_BUCKETS, state.slots.shape[0] // state.max_lanes)
         self._pool = None
 
     def run(self, batch: ExecutionBatch, mirrors: Sequence[RunMirror],
@@ -99,43 +99,57 @@ class DeviceRunner:
         result. `beside(i, rows)`: the run rides the batch's prefill rows (a run beside
         prefill): it runs invocation `i` with the run's `rows` in it, eagerly."""
         run, n = batch.decode_run, batch.loop_count
-        params = [m.params for m in mirrors]
-        r, padded = len(mirrors), self.padded(len(mirrors))
-        tensors = self.state.load(run, mirrors, self.states, padded)
+        params, lanes = [m.params for m in mirrors], run.lanes
+        r, padded = len(mirrors) * lanes, self.padded(len(mirrors)) * lanes
+        tensors = self.state.load(run, mirrors, self.states, padded, self.windows.tokens)
         # riding a prefill batch, the run adds its own rows alone: the budget counted those
         ridden = r if beside is not None else padded
-        rows = RunRows(self, ridden, run.exit_mode, self._static_metadata(ridden))
+        rows = RunRows(self, ridden, run.exit_mode, self._static_metadata(ridden), lanes)
         newest = max(row.position for row in run.rows)  # (the timer's key)
         for i in range(n + 1):
             if run.sample_at[i]:
-                self._sample(padded, tensors)
+                self._sample(padded, tensors, run)
             if i < n and beside is not None:
                 beside(i, rows)
             elif i < n:
                 with self._timed(timer, padded, newest):
-                    self._call(("step", padded, run.exit_mode), lambda: self._step(rows))
+                    key = ("step", padded, run.exit_mode, lanes > 1)
+                    self._call(key, lambda: self._step(rows))
         s = self.state
         phases = sum(run.sample_at)
+        kept, indices = slice(0, r), None
+        if lanes > 1:
+            kept = run_rows_torch.settle_lanes(s, len(mirrors), lanes, self.states.buffer,
+                                               self.windows.tokens)  # fmt: skip
+            indices = s.indices[:phases, :r]
         copied = read_back(
-            s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r],
-            *s.logprob_views(tensors.num_logprobs, phases, r), s.loops[:r], s.remaining[:r],
-            s.exit_at[:r], s.ready[:r],
+            s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r], indices,
+            *s.logprob_views(tensors.num_logprobs, phases, r), s.loops[kept],
+            s.remaining[kept], s.exit_at[kept], s.ready[kept],
         )  # fmt: skip
-        return lambda: _results(copied(), [p.num_logprobs for p in params])
+        return lambda: _results(copied(), [p.num_logprobs for p in params], lanes)
 
     def padded(self, rows: int) -> int:
         """The row count a run of `rows` rows runs with: the smallest bucket that holds them
         (idle rows fill the rest), so that a few shapes, captured at startup, serve every run."""
         return next(b for b in self.buckets if b >= rows)
 
-    def warm_up(self, exit_mode: str) -> None:
+    def warm_up(self, exit_mode: str, draft_loops: int = 0) -> None:
         """Compile and capture the step (of `exit_mode`) and the greedy sample function of
-        every bucket over idle rows, so that no run waits for either mid-serving."""
-        for rows in self.buckets:
-            tensors = self.state.idle(rows)
-            self._sample(rows, tensors)
-            idle = RunRows(self, rows, exit_mode, self._static_metadata(rows))
-            self._call(("step", rows, exit_mode), lambda: self._step(idle))  # noqa: B023
+        every bucket over idle rows, so that no run waits for either mid-serving; with lanes
+        (the state's `max_lanes` > 1), those of runs with lanes too (drafting after
+        `draft_loops` loops)."""
+        lanes = self.state.max_lanes
+        variants = [DecodeRun(exit_mode, (), ())]
+        if lanes > 1:
+            variants.append(DecodeRun(exit_mode, (), (), lanes=lanes, draft_loops=draft_loops))
+        for run in variants:
+            for bucket in self.buckets:
+                rows = bucket * run.lanes
+                self._sample(rows, self.state.idle(rows), run)
+                idle = RunRows(self, rows, exit_mode, self._static_metadata(rows), run.lanes)
+                key = ("step", rows, exit_mode, run.lanes > 1)
+                self._call(key, lambda: self._step(idle))  # noqa: B023
 
     def _call(self, key: tuple, fn: Callable[[], None]) -> None:
         """Run `fn` (in place over the state buffers): eagerly the first time, which compiles
@@ -155,19 +169,24 @@ class DeviceRunner:
             fn()
         self._graphs[key] = graph
 
-    def _sample(self, r: int, tensors: SamplingTensors) -> None:
-        """A sample phase of the first `r` rows, through its graph."""
-        flags = (tensors.all_greedy, tensors.any_top_k_top_p, tensors.num_logprobs)
-        self._call(("sample", r, *flags), lambda: self._sample_rows(r, tensors))
+    def _sample(self, r: int, tensors: SamplingTensors, run: DecodeRun | None = None) -> None:
+        """A sample phase of the first `r` rows (of `run`: its lanes), through its graph."""
+        lanes, drafts = (run.lanes, run.draft_loops) if run is not None else (1, 0)
+        flags = (tensors.all_greedy, tensors.any_top_k_top_p, tensors.num_logprobs, lanes, drafts)
+        self._call(("sample", r, *flags), lambda: self._sample_rows(r, tensors, lanes, drafts))
 
-    def _sample_rows(self, r: int, tensors: SamplingTensors) -> None:
+    def _sample_rows(self, r: int, tensors: SamplingTensors, lanes: int, drafts: int) -> None:
         """The coda and the sampler over every row; rows whose token exited take theirs and
-        their next token starts."""
+        their next token starts (with lanes: `take_lanes`, lanes drafting after `drafts`
+        loops)."""
         s = self.state
         logits = self.edges.logits(self.states.buffer[s.state_rows[:r]], [])
         out = sample(logits, tensors)
         s.record_logprobs(r, out)
-        self.ops.take_tokens(s, r, out.token_ids, self.windows.tokens)
+        if lanes > 1:
+            self.ops.take_lanes(s, r // lanes, lanes, drafts, out.token_ids)
+        else:
+            self.ops.take_tokens(s, r, out.token_ids, self.windows.tokens)
 
     def _step(self, rows: RunRows) -> None:
         """One loop of the run's rows alone."""
@@ -217,6 +236,7 @@ class RunRows:
     num_rows: int
     exit_mode: str
     meta: AttentionMetadata | None  # the invocation's static tables; None: built at entry
+    lanes: int = 1  # rows per request (>1: a run with lanes, each lane entering its own token)
 
     def enter(self) -> tuple[torch.Tensor, AttentionMetadata]:
         """The rows' input hidden states and attention tables."""
@@ -225,7 +245,8 @@ class RunRows:
     def _enter(self) -> torch.Tensor:
         """Rows at depth 0 take their prelude; each row's plane, slot and tables; its input."""
         d, s, r = self.runner, self.runner.state, self.num_rows
-        entry = d.edges.enter(d.windows.tokens[s.slots[:r], 0], s.position[:r], [])
+        tokens = s.token[:r] if self.lanes > 1 else d.windows.tokens[s.slots[:r], 0]
+        entry = d.edges.enter(tokens, s.position[:r], [])
         d.ops.enter_rows(s, r, entry, d.states.buffer, d.scratch, d.block_size)
         return s.hidden[:r]
 
@@ -263,11 +284,11 @@ class RunRows:
         )
 
 
-def _results(copied, wants: list[int]) -> tuple[RunRowResult, ...]:
-    """Each row's tokens (phases where it sampled) and final state, from the read-back (as numpy
-    arrays: per-row tensor indexing would cost the host a millisecond for 32 rows, while the GPU
-    waits for the next plan)."""
-    tokens, sampled, depths, logprobs, logprob_ids, loops, remaining, exit_at, ready = (
+def _results(copied, wants: list[int], lanes: int) -> tuple[RunRowResult, ...]:
+    """Each row's tokens (phases where it sampled; with lanes, those of all its lanes in output
+    order) and final state, from the read-back (as numpy arrays: per-row tensor indexing would
+    cost the host a millisecond for 32 rows, while the GPU waits for the next plan)."""
+    tokens, sampled, depths, indices, logprobs, logprob_ids, loops, remaining, exit_at, ready = (
         None if t is None else t.numpy() for t in copied
     )
     loops, remaining, exit_at, ready = (
@@ -278,14 +299,19 @@ def _results(copied, wants: list[int]) -> tuple[RunRowResult, ...]:
     )
     results = []
     for r, want in enumerate(wants):
-        phases = np.flatnonzero(sampled[:, r])
-        ids = tokens[phases, r].tolist()
-        lps = None if logprobs is None else logprobs[phases, r].tolist()
-        lp_ids = None if logprob_ids is None else logprob_ids[phases, r].tolist()
+        cols = slice(r * lanes, (r + 1) * lanes)
+        phases, col = np.nonzero(sampled[:, cols])
+        col += r * lanes
+        if indices is not None:  # output order
+            order = np.argsort(indices[phases, col], kind="stable")
+            phases, col = phases[order], col[order]
+        ids = tokens[phases, col].tolist()
+        lps = None if logprobs is None else logprobs[phases, col].tolist()
+        lp_ids = None if logprob_ids is None else logprob_ids[phases, col].tolist()
         toks = host_tokens(ids, lps, lp_ids, [want] * len(ids))
         results.append(
             RunRowResult(
-                sampled=tuple(zip(toks, depths[phases, r].tolist(), strict=True)),
+                sampled=tuple(zip(toks, depths[phases, col].tolist(), strict=True)),
                 loops_done=loops[r],
                 remaining=remaining[r],
                 exit_at=exit_at[r],

@@ -98,3 +98,96 @@ def take_tokens(s, r: int, token_ids: torch.Tensor, window_tokens: torch.Tensor)
     traced = s.trace[:r].gather(1, column[:, None])[:, 0]
     s.exit_at[:r].copy_(torch.where(start, traced, s.exit_at[:r]))
     phase += 1
+
+
+def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor) -> None:
+    """After a sample phase of a run with lanes (`n` rows of `lanes` lanes, docs/design/
+    speculative.md §3; `token_ids` [n * lanes]): lanes whose token exited keep the token sampled
+    from their state (their target); from the row's oldest lane on, each target is taken (the
+    row's next output token, recorded with its output index) while the lane after it holds that
+    very token (an accepted draft: it goes on), else the lanes after it are dropped and the
+    target enters the next position at depth 0; then the newest lane drafts the next position
+    from its state once its token ran `draft_loops` loops or exited. In torch ops with no host
+    sync, so that a CUDA graph can hold it."""
+    w, r = lanes, n * lanes
+    lane = torch.arange(w, device=token_ids.device)
+
+    def grid(t):
+        return t[:r].view(n, w)
+
+    done, ready, loops, pos = grid(s.done), grid(s.ready), grid(s.loops), grid(s.position)
+    token, target, has_target = grid(s.token), grid(s.target), grid(s.has_target)
+    drawn = token_ids[:r].view(n, w)
+    fresh = ready & ~done & ~has_target
+    target.copy_(torch.where(fresh, drawn, target))
+    has_target |= fresh
+    count, max_count = grid(s.count)[:, 0].clone(), grid(s.max_count)[:, 0]
+    stops = s.stop_mask[:r].view(n, w, -1)[:, 0]
+    record = [torch.zeros_like(drawn) for _ in range(3)]  # token, depth, output index
+    taken = torch.zeros_like(done)
+
+    def start(hot: torch.Tensor, tok: torch.Tensor, position: torch.Tensor) -> None:
+        """Lanes `hot` [n, w] start the token `tok` [n] at `position` [n], depth 0."""
+        for flags in (done, ready, has_target, grid(s.exited)):
+            flags.masked_fill_(hot, False)
+        loops.masked_fill_(hot, 0)
+        grid(s.exit_at).masked_fill_(hot, 0)
+        grid(s.remaining).masked_fill_(hot, 1.0)
+        token.copy_(torch.where(hot, tok[:, None], token))
+        pos.copy_(torch.where(hot, position[:, None], pos))
+
+    cur = _oldest(done, pos)
+    go = ~done.all(1)
+    for _ in range(w):
+        at = lane == cur[:, None]
+        go = go & (at & ~done & has_target).any(1)
+        hot = at & go[:, None]
+        tok = (target * at).sum(1)
+        taken |= hot
+        for rec, value in zip(record, (tok[:, None], loops, count[:, None]), strict=True):
+            rec.copy_(torch.where(hot, value, rec))
+        count += go
+        ends = go & ((count >= max_count) | stops.gather(1, tok[:, None])[:, 0])
+        nxt = (cur + 1) % w
+        after = lane == nxt[:, None]
+        accept = go & ~ends & (after & ~done & (token == tok[:, None])).any(1)
+        again = go & ~ends & ~accept
+        done |= hot | (ends | again)[:, None]
+        start(after & again[:, None], tok, (pos * at).sum(1) + 1)
+        cur, go = torch.where(accept, nxt, cur), accept
+    grid(s.count).copy_(count[:, None].expand(n, w))
+    # the newest lane drafts
+    length = (~done).sum(1)
+    tail = (_oldest(done, pos) + length - 1) % w
+    at = lane == tail[:, None]
+    exited = (ready & at).any(1)
+    draft = torch.where(exited, (target * at).sum(1), (drawn * at).sum(1))
+    drafts = (length > 0) & (length < w) & (grid(s.speculates) & at).any(1)
+    drafts &= exited | ((loops * at).sum(1) >= draft_loops)
+    drafts &= (count + length < max_count) & ~stops.gather(1, draft[:, None])[:, 0]
+    start((lane == ((tail + 1) % w)[:, None]) & drafts[:, None], draft, (pos * at).sum(1) + 1)
+    for rec, value in zip((s.tokens, s.depths, s.indices), record, strict=True):
+        rec[:, :r].index_copy_(0, s.phase, value.view(1, r))
+    s.sampled[:, :r].index_copy_(0, s.phase, taken.view(1, r))
+    s.phase += 1
+
+
+def settle_lanes(s, n: int, lanes: int, buffer: torch.Tensor,
+                 window_tokens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """After a run with lanes, of its first `n` rows (real ones, each with its own slot): the
+    state of each row's oldest lane (its newest taken token's) goes to the row's decode row of
+    `buffer` and its token is the slot's newest (`window_tokens` column 0), where the host path
+    finds them. The lanes after it go on in a carried run; a fresh run starts from the oldest
+    lane alone. Returns the oldest lanes' indices [n]."""
+    w, r = lanes, n * lanes
+    head = _oldest(s.done[:r].view(n, w), s.position[:r].view(n, w))
+    kept = torch.arange(n, device=head.device) * w + head
+    slots = s.slots[kept]
+    buffer[slots] = buffer[s.state_rows[kept]]  # (decode row = slot)
+    window_tokens[slots, 0] = s.token[kept]
+    return kept
+
+
+def _oldest(done: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Per row [n], its lane holding the oldest position among the live ones (0 if none)."""
+    return torch.where(done, torch.iinfo(pos.dtype).max, pos).argmin(1)

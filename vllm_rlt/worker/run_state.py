@@ -19,11 +19,13 @@ _INTS = 12  # and those a fresh run loads after them
 
 class RunState:
     def __init__(self, max_rows: int, max_loops: int, vocab_size: int, num_planes: int,
-                 max_blocks: int, hidden_size: int, dtype: torch.dtype, device):  # fmt: skip
-        """Room for `max_rows` rows, runs of up to `max_loops` invocations, block tables of
-        `max_blocks` blocks per plane."""
-        s, t, device = max_rows, max(max_loops, 1), torch.device(device)
+                 max_blocks: int, hidden_size: int, dtype: torch.dtype, device,
+                 lanes: int = 1):  # fmt: skip
+        """Room for `max_rows` rows of up to `lanes` lanes each, runs of up to `max_loops`
+        invocations, block tables of `max_blocks` blocks per plane."""
+        s, t, device = max_rows * lanes, max(max_loops, 1), torch.device(device)
         self.device = device
+        self.max_lanes = lanes
 
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -40,9 +42,14 @@ class RunState:
         self.temperature, self.top_p = self._f32
         self._f64 = zeros(2, s, dtype=torch.float64)
         self.remaining, self.threshold = self._f64
-        self._flags = zeros(3, s, dtype=torch.bool)
-        # ready: exited, waiting for the coda; exited: its token exited in the last invocation
-        self.ready, self.done, self.exited = self._flags
+        self._flags = zeros(5, s, dtype=torch.bool)
+        # ready: exited, waiting for the coda; exited: its token exited in the last invocation;
+        # with lanes (a row's positions in flight, docs/design/speculative.md §3): has_target:
+        # `target` holds the token sampled from its exited state; speculates: it drafts
+        self.ready, self.done, self.exited, self.has_target, self.speculates = self._flags
+        # with lanes: the token each lane's position holds (it enters at depth 0), the target
+        self._lane = zeros(2, s)
+        self.token, self.target = self._lane
         self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
         # trace mode: exit loops of the tokens it starts, in order (of a run and its carry)
         self.trace = zeros(s, 2 * t)
@@ -56,50 +63,74 @@ class RunState:
         self.ones = torch.ones(s, dtype=torch.int32, device=device)
         # what each sampling phase sampled (phase = the record's row)
         self.tokens, self.depths = zeros(t + 1, s), zeros(t + 1, s)
+        self.indices = zeros(t + 1, s)  # with lanes: each token's output index
         self.sampled = zeros(t + 1, s, dtype=torch.bool)
         self.phase = zeros(1)
         self._logprobs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def load(self, run: DecodeRun, mirrors, states, padded: int) -> SamplingTensors:
+    def load(self, run: DecodeRun, mirrors, states, padded: int,
+             window_tokens: torch.Tensor) -> SamplingTensors:  # fmt: skip
         """Load the run's rows (`mirrors`: RunMirror per row, `states`: the HiddenStateStore)
-        into the first R rows (a carried run: only what it changes), and idle rows after them
-        up to `padded` rows (sampling as the first row); returns the sampling tensors of all of
-        them, views of the buffers. Every value crosses in one upload: the host's time here is
-        the GPU's idle time when a run follows a read-back."""
-        rows, r = run.rows, len(run.rows)
-        params = [m.params for m in mirrors]
+        into the first R * lanes rows (a carried run: only what it changes), and idle rows after
+        them up to `padded` rows (sampling as the first row); returns the sampling tensors of
+        all of them, views of the buffers. A row's lanes are consecutive rows; the lane of its
+        newest token (position % lanes) starts live from the row's state, the others free, each
+        lane with its own hidden-state row (`window_tokens`: each slot's newest token, the live
+        lane's). Every value crosses in one upload: the host's time here is the GPU's idle time
+        when a run follows a read-back."""
+        rows, lanes = run.rows, run.lanes
+        r = len(rows) * lanes
+        params = [m.params for m in mirrors for _ in range(lanes)]
         params += params[:1] * (padded - r)
         ints = np.zeros((_CARRIED_INTS if run.carried else _INTS, padded), dtype=np.int64)
         ints[0] = [p.top_k for p in params]
         ints[1] = [p.seed for p in params]
-        ints[2, :r] = [x.num_sampled for x in rows]  # the trace's base
+        ints[2, :r] = np.repeat([x.num_sampled for x in rows], lanes)  # the trace's base
         f32 = np.array([[p.temperature for p in params], [p.top_p for p in params]], np.float32)
         # the blocks of the positions the runs may reach (all the rows' blocks)
         planes = self.tables.shape[1]
         width = min(max(len(t) for m in mirrors for t in m.block_tables[:planes]),
                     self.tables.shape[2])  # fmt: skip
-        tables = np.zeros((r, planes, width), dtype=np.int64)
+        tables = np.zeros((len(rows), planes, width), dtype=np.int64)
         for i, m in enumerate(mirrors):
             for p in range(planes):
                 table = m.block_tables[p][:width]
                 tables[i, p, : len(table)] = table
-        trace = np.zeros((r, max(len(x.trace) for x in rows)), dtype=np.int64)
+        trace = np.zeros((len(rows), max(len(x.trace) for x in rows)), dtype=np.int64)
         for i, x in enumerate(rows):
             trace[i, : len(x.trace)] = x.trace
-        arrays = [ints, f32, tables, trace]
+        arrays = [ints, f32, np.repeat(tables, lanes, axis=0), np.repeat(trace, lanes, axis=0)]
         if not run.carried:  # idle rows: stopped, at position 0, slot and state row 0
-            ints[_CARRIED_INTS:, :r] = np.array([
-                (m.slot, states.decode_row(m.slot), x.loops_done, x.exit_at, x.position,
-                 x.num_sampled, x.max_tokens, x.min_loops, x.max_loops)
+            lane = np.tile(np.arange(lanes), len(rows))
+            live = lane == np.repeat([x.position % lanes for x in rows], lanes)
+            # with lanes, every lane's state in the ring (the decode row is the oldest's copy
+            # for the host path, `settle_lanes`)
+            state_rows = np.array([
+                states.ring_row(m.slot, j) if lanes > 1 else states.decode_row(m.slot)
+                for m, j in zip([m for m in mirrors for _ in range(lanes)], lane, strict=True)
+            ], dtype=np.int64)  # fmt: skip
+            decode_rows = [states.decode_row(m.slot) for m in mirrors]
+            arrays.append(np.array([decode_rows, state_rows[live]], dtype=np.int64))
+            ints[_CARRIED_INTS:, :r] = np.repeat(np.array([
+                (m.slot, 0, x.loops_done, x.exit_at, x.position, x.num_sampled, x.max_tokens,
+                 x.min_loops, x.max_loops)
                 for m, x in zip(mirrors, rows, strict=True)
-            ], dtype=np.int64).T  # fmt: skip
+            ], dtype=np.int64).T, lanes, axis=1)  # fmt: skip
+            ints[_CARRIED_INTS + 1, :r] = state_rows
             f64 = np.zeros((2, padded))
-            f64[:, :r] = [[x.remaining for x in rows], [x.threshold for x in rows]]
-            flags = np.zeros((3, padded), dtype=bool)
-            flags[1, r:] = True  # done
-            stops = [(i, t) for i, x in enumerate(rows) for t in x.stop_token_ids]
+            f64[:, :r] = np.repeat([[x.remaining for x in rows], [x.threshold for x in rows]],
+                                   lanes, axis=1)  # fmt: skip
+            flags = np.zeros((5, padded), dtype=bool)
+            flags[1] = True  # done: idle rows and free lanes
+            flags[1, :r] = ~live
+            flags[4, :r] = np.repeat([x.speculates for x in rows], lanes)
+            stops = [(i * lanes + j, t) for i, x in enumerate(rows) for t in x.stop_token_ids
+                     for j in range(lanes)]  # fmt: skip
             arrays += [f64, flags, np.array(stops, dtype=np.int64).reshape(-1, 2)]
         ints, f32, tables, trace, *fresh = to_device_packed(arrays, self.device)
+        if fresh and lanes > 1:  # the newest token's state into its lane's row
+            states.buffer[fresh[0][1]] = states.buffer[fresh[0][0]]
+        fresh = fresh[1:]
         self._ints[: len(ints), :padded].copy_(ints)
         self._f32[:, :padded].copy_(f32)
         self.tables[:r, :, :width].copy_(tables)
@@ -113,6 +144,8 @@ class RunState:
             self.stop_mask[:r] = False
             if len(stops):
                 self.stop_mask[stops[:, 0], stops[:, 1]] = True
+            if lanes > 1:
+                self.token[:r] = window_tokens[self.slots[:r], 0]
         self.phase.zero_()
         num_logprobs = max(p.num_logprobs for p in params)
         return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
@@ -135,6 +168,8 @@ class RunState:
         self.position[start:end] = 0
         self.ready[start:end] = False
         self.exited[start:end] = False
+        self.has_target[start:end] = False
+        self.speculates[start:end] = False
         self.state_rows[start:end] = 0
         self.slots[start:end] = 0
 

@@ -11,11 +11,17 @@ step, R1) and the blocks fit without preempting anyone. Alone in its batch, its 
 prefill turn), at most `max_prefill_stall_loops` (R4: arrivals wait at most that many loops),
 and no longer than the rows' longest remaining work (`max_tokens`). Beside prefill tasks (mixed
 scheduling), it runs the prefill batch's loops (R2-R6), its rows riding those invocations.
+
+With speculation and the exit gate (`speculative`; docs/design/speculative.md §3) a run alone
+with at most `speculative_max_decode_rows` rows gives each row K + 1 lanes, and its greedy rows
+draft: every invocation ends in a sample phase.
 """
 
 from __future__ import annotations
 
-from vllm_rlt.config import SchedulerConfig
+from dataclasses import replace
+
+from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import (
     DecodeRun,
@@ -37,9 +43,10 @@ class RunPlanner:
         exit_policy: ExitPolicy,
         num_loops: int,
         supported: bool,
+        speculative: SpeculativeConfig | None = None,
     ):
         """`supported`: the model's decode rows can run so (its prelude and coda need no
-        attention)."""
+        attention); `speculative`: runs alone speculate with these settings."""
         self.max_loops = config.run_loops
         if config.max_prefill_stall_loops is not None:  # R4
             self.max_loops = min(self.max_loops, config.max_prefill_stall_loops)
@@ -47,6 +54,7 @@ class RunPlanner:
         self.kv = kv
         self.exit_policy = exit_policy
         self.num_loops = num_loops
+        self.speculative = speculative
 
     def wanted(self, tasks: list[ScheduledRequest], requests: dict[str, Request]) -> bool:
         """Whether the decode `tasks` (planned by DecodePlanner) run as a device run when their
@@ -77,9 +85,13 @@ class RunPlanner:
         loops = beside or min(longest, max(self._work(r) for r in reqs))
         if loops < 2:
             return None
-        if not self._reserve(reqs, loops, exits):
+        lanes = not beside and self._speculates(reqs)
+        # (a lane may draft before the first invocation: one position further)
+        if not self._reserve(reqs, loops + lanes, exits):
             return None  # the host path preempts
         rows = tuple(self._row(r, loops) for r in reqs)
+        if lanes:
+            return self._lanes(reqs, rows, loops)
         return DecodeRun(self.exit_policy.name, rows, self._sample_at(reqs, rows, loops))
 
     def carry(
@@ -98,7 +110,8 @@ class RunPlanner:
             return None
         if any(r.decode is None or r.status.finished for r in reqs):
             return None
-        before, samples = len(flight.sample_at) - 1, sum(flight.sample_at)
+        # (a run with lanes may take several tokens of a row in one sample phase)
+        before, samples = len(flight.sample_at) - 1, sum(flight.sample_at) * flight.lanes
         if waiting and any(
             self._may_end(r, row, samples) for r, row in zip(reqs, flight.rows, strict=True)
         ):
@@ -106,11 +119,39 @@ class RunPlanner:
         loops = min(self._longest(running, waiting), max(self._work(r) for r in reqs) - before)
         if loops < 2:
             return None
-        if not self._reserve(reqs, before + loops, []):
+        if not self._reserve(reqs, before + loops + (flight.lanes > 1), []):
             return None
         rows = tuple(self._row(r, before + loops) for r in reqs)
+        if flight.lanes > 1:  # (its state on the device is lanes')
+            return replace(self._lanes(reqs, rows, loops), carried=True)
         reach = self._sample_at(reqs, rows, before + loops)
         return DecodeRun(self.exit_policy.name, rows, (False, *reach[before + 1 :]), carried=True)
+
+    def _speculates(self, reqs: list[Request]) -> bool:
+        """Whether a run alone over the rows of `reqs` speculates: speculation is on, at most
+        `speculative_max_decode_rows` rows decode and some row is greedy without logprobs."""
+        spec = self.speculative
+        if spec is None or len(reqs) > spec.speculative_max_decode_rows:
+            return False
+        return any(self._drafts(r) for r in reqs)
+
+    @staticmethod
+    def _drafts(req: Request) -> bool:
+        """Whether the request's row drafts in a run with lanes: greedy, no logprobs (others
+        decode plainly there)."""
+        params = req.sampling_params
+        return params.temperature == 0 and params.logprobs is None
+
+    def _lanes(self, reqs: list[Request], rows: tuple[RunRow, ...], loops: int) -> DecodeRun:
+        """A run with lanes over the rows of `reqs` (`_speculates` said so), `loops`
+        invocations."""
+        spec = self.speculative
+        rows = tuple(
+            replace(row, speculates=self._drafts(r)) for r, row in zip(reqs, rows, strict=True)
+        )
+        return DecodeRun(self.exit_policy.name, rows, (True,) * (loops + 1),
+                         lanes=spec.num_speculative_tokens + 1,
+                         draft_loops=spec.speculative_draft_loops)  # fmt: skip
 
     def _longest(self, running: list[Request], waiting: bool) -> int:
         """How many invocations a run alone may take: `device_decode_loops`, but one token's

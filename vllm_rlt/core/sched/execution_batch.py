@@ -158,6 +158,7 @@ class RunRow:
     stop_token_ids: tuple[int, ...]  # a sampled one ends the row (EOS unless ignored, stop ids)
     # trace mode: exit loops of the tokens of output index num_sampled, num_sampled + 1, ...
     trace: tuple[int, ...] = ()
+    speculates: bool = False  # it drafts in a run with lanes (greedy, no logprobs)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,11 @@ class DecodeRun:
     # device (planned before the host read it back): the device takes only their block tables,
     # `num_sampled` and `trace` (counted from it: the tokens of both runs)
     carried: bool = False
+    # speculation with the exit gate (docs/design/speculative.md §3): each row has `lanes`
+    # device rows, one per position in flight (1: no speculation); a lane whose token ran
+    # `draft_loops` loops drafts the next position's token, verified when the token exits
+    lanes: int = 1
+    draft_loops: int = 0
 
 
 @dataclass(frozen=True)

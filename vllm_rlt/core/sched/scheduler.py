@@ -60,25 +60,29 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         device_runs: bool = False,
         planner: SplitPlanner | WavefrontPlanner | None = None,
+        spec_runs: bool = False,
     ):
         """`atomic_prefill`: the model needs every prefill batch to run all its loops (Huginn):
         mixed scheduling then always keeps decode rows and prefill apart (R7). `speculative`:
         self-speculative decoding settings (None or 0 drafts: off). `device_runs`: the model's
         decode rows can cross token boundaries on the device (device_runs.py). `planner`: the
         prefill planner `make_planner` gives for these settings, when the caller has built it
-        already (the engine sizes the runner's buffers from its ring)."""
+        already (the engine sizes the runner's buffers from its ring). `spec_runs`: speculation
+        drafts in device runs, not windows (the exit gate is on, docs/design/speculative.md
+        §3)."""
         self.config = config
         self.atomic_prefill = atomic_prefill
         self.kv = kv_manager
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.planner = planner or make_planner(config, kv_manager.layout, num_loops)
-        self.spec = None
-        if speculative is not None and speculative.num_speculative_tokens:
+        self.spec = None  # speculative windows
+        if speculative is not None and speculative.num_speculative_tokens and not spec_runs:
             self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
         self.decode = DecodePlanner(config.scheduling_mode, exit_policy, self.spec)
         self.loop_rules = LoopRules(config, self.planner, self.decode, num_loops)
-        self.runs = RunPlanner(config, kv_manager, exit_policy, num_loops, device_runs)
+        lanes = speculative if spec_runs else None
+        self.runs = RunPlanner(config, kv_manager, exit_policy, num_loops, device_runs, lanes)
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

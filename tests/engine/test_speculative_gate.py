@@ -1,0 +1,162 @@
+"""Speculation with the exit gate (docs/design/speculative.md §3), CPU fp32: device runs with
+lanes give every request what host-decided plain decoding gives it (tokens, exit depths, finish
+reasons, text), greedy requests drafting and the others decoding plainly beside them, in both
+gate modes, for several K and d, with staggered arrivals, stop tokens, EOS, `max_tokens`,
+preemption, prefix hits and carried runs; on the packaged model, whose trained gate and depths
+accept most drafts, a request takes far fewer invocations than it runs loops. What neither
+windows nor lanes cover is refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.harness import Job, kv_all_free, make_engine
+from tests.engine.test_device_runs import _assert_same, _run
+from vllm_rlt.config import ConfigError
+from vllm_rlt.models.tiny import default_model_dir
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.device_runs import DeviceRunner
+
+
+def _jobs(seed: int, num: int = 8) -> list[Job]:
+    """Mostly greedy requests on the packaged model (text-like prompts), some with their own
+    threshold or `min_loops`, stop ids or EOS; a sampled one and one asking for logprobs
+    (both decode plainly); staggered arrivals, a shared system prompt."""
+    rng = random.Random(seed)
+    system = rng.choices(range(40, 120), k=10)
+    jobs = []
+    for i in range(num):
+        kind = rng.choice(["greedy"] * 6 + ["sampled", "logprobs"])
+        params = SamplingParams(
+            max_tokens=rng.randint(4, 40),
+            temperature=0.8 if kind == "sampled" else 0.0,
+            seed=rng.randrange(10**6),
+            logprobs=2 if kind == "logprobs" else None,
+            exit_threshold=rng.choice([None, None, 0.4, 0.8]),
+            min_loops=rng.choice([None, None, 2]),
+            ignore_eos=rng.random() < 0.6,
+            stop_token_ids=rng.sample(range(40, 120), 3) if rng.random() < 0.3 else (),
+        )
+        prompt = rng.choice([system, []]) + rng.choices(range(40, 120), k=rng.randint(2, 24))
+        jobs.append(Job(f"j{i}", prompt, params, rng.choice([0, 0, 0, 2, 6])))
+    return jobs
+
+
+def _same(got: dict, want: dict) -> None:
+    assert {k: v[:4] for k, v in got.items()} == {k: v[:4] for k, v in want.items()}
+
+
+def _lanes_runs(eng) -> list[int]:
+    """Count the runs with lanes, and those carried, into the returned list."""
+    count, schedule = [0, 0], eng.scheduler.schedule
+
+    def counting():
+        batch = schedule()
+        run = batch.decode_run
+        if run is not None and run.lanes > 1:
+            count[0] += 1
+            count[1] += run.carried
+        return batch
+
+    eng.scheduler.schedule = counting
+    return count
+
+
+_PLAIN: dict = {}
+
+
+def _plain(mode: str, jobs: list[Job], **kw) -> dict:
+    """Host-decided plain decoding of `jobs` (cached per mode and settings)."""
+    key = (mode, repr(jobs), tuple(sorted(kw.items())))
+    if key not in _PLAIN:
+        eng = make_engine(default_model_dir(), exit_mode=mode, device_decode_loops=0, **kw)
+        eng.eos_token_ids = (7, 11)
+        _PLAIN[key] = _run(eng, jobs)
+    return _PLAIN[key]
+
+
+@pytest.mark.parametrize("mode", ["ouro", "ouro_delayed"])
+@pytest.mark.parametrize("k,draft_loops", [(1, 1), (3, 1), (2, 2), (4, 3)])
+def test_lanes_compute_what_plain_decoding_computes(mode, k, draft_loops):
+    jobs = _jobs(k * 10 + draft_loops)
+    eng = make_engine(default_model_dir(), exit_mode=mode, max_num_seqs=6,
+                      num_speculative_tokens=k, speculative_draft_loops=draft_loops)  # fmt: skip
+    eng.eos_token_ids = (7, 11)
+    lanes = _lanes_runs(eng)
+    got = _run(eng, jobs)
+    assert kv_all_free(eng)
+    assert lanes[0] > 0
+    _same(got, _plain(mode, jobs, max_num_seqs=6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_lanes_on_gpu(backend):
+    """On CUDA (the Triton `take_lanes`, captured graphs), fp32: what host-decided decoding
+    computes, up to proven near-ties."""
+    jobs = _jobs(3)
+    results = {}
+    for k, loops in ((3, 16), (0, 0)):
+        eng = make_engine(default_model_dir(), "cuda", backend, max_num_seqs=6,
+                          num_speculative_tokens=k, device_decode_loops=loops)  # fmt: skip
+        eng.eos_token_ids = (7, 11)
+        lanes = _lanes_runs(eng)
+        results[k] = _run(eng, jobs)
+        assert kv_all_free(eng) and bool(lanes[0]) == bool(k)
+    _assert_same(eng, jobs, results[3], results[0], exact=False)
+
+
+def test_preemption_prefix_hits_and_carried_runs():
+    """A KV cache that forces preemptions, prompts sharing a cached prefix, and runs that go on
+    from the one before: the same results, every block given back."""
+    jobs = _jobs(5, num=10)
+    kw = dict(max_num_seqs=5, num_kv_blocks=160, block_size=4, enable_prefix_caching=True)
+    eng = make_engine(default_model_dir(), num_speculative_tokens=3, **kw)
+    eng.eos_token_ids = (7, 11)
+    lanes = _lanes_runs(eng)
+    got = _run(eng, jobs)
+    assert kv_all_free(eng) and eng.scheduler.prefix_hits > 0
+    assert eng.scheduler.num_preemptions > 0 and lanes[0] > 0 and lanes[1] > 0
+    _same(got, _plain("ouro", jobs, **kw))
+
+
+def test_a_request_takes_fewer_invocations_than_loops(monkeypatch):
+    """Concurrency 1 on the packaged model at its default threshold: with drafts of one loop
+    accepted, a token takes about one invocation where plain decoding runs its ~1.9 loops."""
+    calls = [0]
+    step = DeviceRunner._step
+
+    def counted(self, rows):
+        calls[0] += 1
+        return step(self, rows)
+
+    monkeypatch.setattr(DeviceRunner, "_step", counted)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    rng = random.Random(3)
+    jobs = [Job(f"r{i}", rng.choices(range(40, 120), k=20), params) for i in range(3)]
+    invocations = {}
+    for k in (0, 4):
+        calls[0] = 0
+        eng = make_engine(default_model_dir(), max_num_seqs=1, num_speculative_tokens=k)
+        got = _run(eng, jobs)
+        invocations[k] = calls[0]
+    loops = sum(sum(v[1]) for v in got.values())
+    tokens = sum(len(v[0]) for v in got.values())
+    assert invocations[0] >= loops - 3 * 4  # plain: one loop per invocation (not the prompts')
+    assert loops > 1.5 * tokens and invocations[4] < 0.7 * invocations[0]
+
+
+def test_what_speculation_refuses():
+    model = default_model_dir()
+    with pytest.raises(ConfigError, match="exit_mode='trace'"):
+        make_engine(model, num_speculative_tokens=2, exit_mode="trace")
+    with pytest.raises(ConfigError, match="device_decode_loops"):
+        make_engine(model, num_speculative_tokens=2, device_decode_loops=0)
+    with pytest.raises(ConfigError, match="device_decode_loops"):
+        make_engine(model, num_speculative_tokens=2, scheduling_mode="no_refill")
+    eng = make_engine(model, num_speculative_tokens=2)  # the gate on: any exit settings
+    for params in (SamplingParams(exit_threshold=0.3), SamplingParams(max_loops=2)):
+        eng.add_request(f"x{params.max_loops}", [50, 60, 70], params)
+    assert eng.scheduler.spec is None  # no windows: lanes
