@@ -219,6 +219,11 @@ def _take_lanes_kernel(
     rec_index = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int64)
     cur = tl.argmin(tl.where(done, big, pos), axis=1).to(tl.int64)
     go = tl.sum((~done).to(tl.int32), axis=1) > 0
+    # the lane each row starts at depth 0 (at most one: after a restart no lane drafts)
+    starts = tl.zeros([BLOCK_N], dtype=tl.int1)
+    start_lane = tl.zeros([BLOCK_N], dtype=tl.int64)
+    start_token = tl.zeros([BLOCK_N], dtype=tl.int64)
+    start_position = tl.zeros([BLOCK_N], dtype=tl.int64)
     for _ in tl.static_range(LANES):  # from the oldest lane on: take, accept or start again
         at = lane == cur[:, None]
         go = go & (tl.sum((at & ~done & has_target).to(tl.int32), axis=1) > 0)
@@ -232,27 +237,18 @@ def _take_lanes_kernel(
         stop = tl.load(stops + tok, mask=mr & go, other=0).to(tl.int32) != 0
         ends = go & ((count >= max_count) | stop)
         nxt = (cur + 1) % LANES
-        after = lane == nxt[:, None]
-        same = after & ~done & (token == tok[:, None])
+        same = (lane == nxt[:, None]) & ~done & (token == tok[:, None])
         accept = go & ~ends & (tl.sum(same.to(tl.int32), axis=1) > 0)
         again = go & ~ends & ~accept
         done = done | hot | (ends | again)[:, None]
-        start = after & again[:, None]
-        position = tl.sum(tl.where(at, pos, 0), axis=1) + 1
-        done = done & ~start
-        ready = ready & ~start
-        has_target = has_target & ~start
-        exited = exited & ~start
-        loops = tl.where(start, 0, loops)
-        exit_at = tl.where(start, 0, exit_at)
-        remaining = tl.where(start, 1.0, remaining)
-        token = tl.where(start, tok[:, None], token)
-        pos = tl.where(start, position[:, None], pos)
+        starts = starts | again
+        start_lane = tl.where(again, nxt, start_lane)
+        start_token = tl.where(again, tok, start_token)
+        start_position = tl.where(again, tl.sum(tl.where(at, pos, 0), axis=1) + 1, start_position)
         cur = tl.where(accept, nxt, cur)
         go = accept
     # the newest lane drafts the next position
-    live = ~done
-    length = tl.sum(live.to(tl.int64), axis=1)
+    length = tl.sum((~done).to(tl.int64), axis=1)
     tail = (tl.argmin(tl.where(done, big, pos), axis=1).to(tl.int64) + length - 1) % LANES
     at = lane == tail[:, None]
     tail_exited = tl.sum((at & ready).to(tl.int32), axis=1) > 0
@@ -263,8 +259,11 @@ def _take_lanes_kernel(
     stop = tl.load(stops + draft, mask=mr, other=0).to(tl.int32) != 0
     drafts = (length > 0) & (length < LANES) & spec & (tail_exited | deep)
     drafts = drafts & (count + length < max_count) & ~stop
-    start = (lane == ((tail + 1) % LANES)[:, None]) & drafts[:, None]
-    position = tl.sum(tl.where(at, pos, 0), axis=1) + 1
+    starts = starts | drafts
+    start_lane = tl.where(drafts, (tail + 1) % LANES, start_lane)
+    start_token = tl.where(drafts, draft, start_token)
+    start_position = tl.where(drafts, tl.sum(tl.where(at, pos, 0), axis=1) + 1, start_position)
+    start = (lane == start_lane[:, None]) & starts[:, None]
     done = done & ~start
     ready = ready & ~start
     has_target = has_target & ~start
@@ -272,8 +271,8 @@ def _take_lanes_kernel(
     loops = tl.where(start, 0, loops)
     exit_at = tl.where(start, 0, exit_at)
     remaining = tl.where(start, 1.0, remaining)
-    token = tl.where(start, draft[:, None], token)
-    pos = tl.where(start, position[:, None], pos)
+    token = tl.where(start, start_token[:, None], token)
+    pos = tl.where(start, start_position[:, None], pos)
     tl.store(done_ptr + rows, done, mask=m)
     tl.store(ready_ptr + rows, ready, mask=m)
     tl.store(exited_ptr + rows, exited, mask=m)

@@ -101,14 +101,14 @@ def take_tokens(s, r: int, token_ids: torch.Tensor, window_tokens: torch.Tensor)
 
 
 def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor) -> None:
-    """After a sample phase of a run with lanes (`n` rows of `lanes` lanes, docs/design/
-    speculative.md §3; `token_ids` [n * lanes]): lanes whose token exited keep the token sampled
-    from their state (their target); from the row's oldest lane on, each target is taken (the
-    row's next output token, recorded with its output index) while the lane after it holds that
-    very token (an accepted draft: it goes on), else the lanes after it are dropped and the
-    target enters the next position at depth 0; then the newest lane drafts the next position
-    from its state once its token ran `draft_loops` loops or exited. In torch ops with no host
-    sync, so that a CUDA graph can hold it."""
+    """`kernels/run_rows.take_lanes` in torch ops (its oracle; what runs off CUDA): after a
+    sample phase of a run with lanes (`n` rows of `lanes` lanes, docs/design/speculative.md §3;
+    `token_ids` [n * lanes]), lanes whose token exited keep the token sampled from their state
+    (their target); from the row's oldest lane on, each target is taken (the row's next output
+    token, recorded with its output index) while the lane after it holds that very token (an
+    accepted draft: it goes on), else the lanes after it are dropped and the target enters the
+    next position at depth 0; then the newest lane drafts the next position from its state once
+    its token ran `draft_loops` loops or exited."""
     w, r = lanes, n * lanes
     lane = torch.arange(w, device=token_ids.device)
 
@@ -125,19 +125,18 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     stops = s.stop_mask[:r].view(n, w, -1)[:, 0]
     record = [torch.zeros_like(drawn) for _ in range(3)]  # token, depth, output index
     taken = torch.zeros_like(done)
-
-    def start(hot: torch.Tensor, tok: torch.Tensor, position: torch.Tensor) -> None:
-        """Lanes `hot` [n, w] start the token `tok` [n] at `position` [n], depth 0."""
-        for flags in (done, ready, has_target, grid(s.exited)):
-            flags.masked_fill_(hot, False)
-        loops.masked_fill_(hot, 0)
-        grid(s.exit_at).masked_fill_(hot, 0)
-        grid(s.remaining).masked_fill_(hot, 1.0)
-        token.copy_(torch.where(hot, tok[:, None], token))
-        pos.copy_(torch.where(hot, position[:, None], pos))
-
     cur = _oldest(done, pos)
     go = ~done.all(1)
+    # the lane each row starts at depth 0 (at most one: after a restart no lane drafts)
+    starts = torch.zeros_like(go)
+    start_lane, start_token, start_position = (torch.zeros_like(count) for _ in range(3))
+
+    def starting(mask, lane_, tok, position) -> None:
+        starts.logical_or_(mask)
+        for into, value in zip((start_lane, start_token, start_position), (lane_, tok, position),
+                               strict=True):  # fmt: skip
+            into.copy_(torch.where(mask, value, into))
+
     for _ in range(w):
         at = lane == cur[:, None]
         go = go & (at & ~done & has_target).any(1)
@@ -149,11 +148,10 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
         count += go
         ends = go & ((count >= max_count) | stops.gather(1, tok[:, None])[:, 0])
         nxt = (cur + 1) % w
-        after = lane == nxt[:, None]
-        accept = go & ~ends & (after & ~done & (token == tok[:, None])).any(1)
+        accept = go & ~ends & ((lane == nxt[:, None]) & ~done & (token == tok[:, None])).any(1)
         again = go & ~ends & ~accept
         done |= hot | (ends | again)[:, None]
-        start(after & again[:, None], tok, (pos * at).sum(1) + 1)
+        starting(again, nxt, tok, (pos * at).sum(1) + 1)
         cur, go = torch.where(accept, nxt, cur), accept
     grid(s.count).copy_(count[:, None].expand(n, w))
     # the newest lane drafts
@@ -165,7 +163,15 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     drafts = (length > 0) & (length < w) & (grid(s.speculates) & at).any(1)
     drafts &= exited | ((loops * at).sum(1) >= draft_loops)
     drafts &= (count + length < max_count) & ~stops.gather(1, draft[:, None])[:, 0]
-    start((lane == ((tail + 1) % w)[:, None]) & drafts[:, None], draft, (pos * at).sum(1) + 1)
+    starting(drafts, (tail + 1) % w, draft, (pos * at).sum(1) + 1)
+    hot = (lane == start_lane[:, None]) & starts[:, None]
+    for flags in (done, ready, has_target, grid(s.exited)):
+        flags.masked_fill_(hot, False)
+    loops.masked_fill_(hot, 0)
+    grid(s.exit_at).masked_fill_(hot, 0)
+    grid(s.remaining).masked_fill_(hot, 1.0)
+    token.copy_(torch.where(hot, start_token[:, None], token))
+    pos.copy_(torch.where(hot, start_position[:, None], pos))
     for rec, value in zip((s.tokens, s.depths, s.indices), record, strict=True):
         rec[:, :r].index_copy_(0, s.phase, value.view(1, r))
     s.sampled[:, :r].index_copy_(0, s.phase, taken.view(1, r))
