@@ -89,6 +89,9 @@ def test_lanes_compute_what_plain_decoding_computes(mode, k, draft_loops):
     assert kv_all_free(eng)
     assert lanes[0] > 0
     _same(got, _plain(mode, jobs, max_num_seqs=6))
+    stats = eng.stats_dict()  # drafts were made and (the packaged model) mostly accepted
+    assert stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"] > 0
+    assert stats["spec_acceptance_rate"] > 0.3 and stats["spec_mean_accepted_length"] > 1
 
 
 @pytest.mark.gpu

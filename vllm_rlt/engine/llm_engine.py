@@ -162,9 +162,8 @@ class LLMEngine:
 
     def stats_dict(self) -> dict[str, float]:
         """`EngineStats.as_dict()` and, with speculation, the speculative counters and ratios
-        (`SpecPlanner.as_dict()`)."""
-        spec = self.scheduler.spec
-        return {**self.stats.as_dict(), **(spec.as_dict() if spec is not None else {})}
+        (`Scheduler.spec_stats()`)."""
+        return {**self.stats.as_dict(), **self.scheduler.spec_stats()}
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's gauges and counters now (read between steps)."""

@@ -185,7 +185,7 @@ def _take_lanes_kernel(
     token_ptr, done_ptr, ready_ptr, exited_ptr, has_target_ptr, speculates_ptr, loops_ptr,
     position_ptr, lane_token_ptr, target_ptr, exit_at_ptr, remaining_ptr, count_ptr,
     max_count_ptr, stop_ptr, record_token_ptr, record_sampled_ptr, record_depth_ptr,
-    record_index_ptr, phase_ptr, num_requests, max_rows, vocab_size, draft_loops,
+    record_index_ptr, phase_ptr, counts_ptr, num_requests, max_rows, vocab_size, draft_loops,
     LANES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     req = tl.arange(0, BLOCK_N)[:, None]
@@ -219,6 +219,8 @@ def _take_lanes_kernel(
     rec_index = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int64)
     cur = tl.argmin(tl.where(done, big, pos), axis=1).to(tl.int64)
     go = tl.sum((~done).to(tl.int32), axis=1) > 0
+    drafting = tl.sum(speculates.to(tl.int32), axis=1) > 0
+    accepted = tl.zeros([BLOCK_N], dtype=tl.int64)
     # the lane each row starts at depth 0 (at most one: after a restart no lane drafts)
     starts = tl.zeros([BLOCK_N], dtype=tl.int1)
     start_lane = tl.zeros([BLOCK_N], dtype=tl.int64)
@@ -239,6 +241,7 @@ def _take_lanes_kernel(
         nxt = (cur + 1) % LANES
         same = (lane == nxt[:, None]) & ~done & (token == tok[:, None])
         accept = go & ~ends & (tl.sum(same.to(tl.int32), axis=1) > 0)
+        accepted += accept.to(tl.int64)
         again = go & ~ends & ~accept
         done = done | hot | (ends | again)[:, None]
         starts = starts | again
@@ -292,6 +295,15 @@ def _take_lanes_kernel(
     tl.store(record_depth_ptr + record, rec_depth, mask=m)
     tl.store(record_index_ptr + record, rec_index, mask=m)
     tl.store(phase_ptr, phase + 1)
+    # the run's counters, on each row's first lane: drafts, accepted drafts, tokens taken by
+    # drafting rows
+    taken_here = tl.sum(taken.to(tl.int64), axis=1) * drafting.to(tl.int64)
+    counts = counts_ptr + first
+    tl.store(counts, tl.load(counts, mask=mr) + drafts.to(tl.int64), mask=mr)
+    counts += max_rows
+    tl.store(counts, tl.load(counts, mask=mr) + accepted, mask=mr)
+    counts += max_rows
+    tl.store(counts, tl.load(counts, mask=mr) + taken_here, mask=mr)
 
 
 def _row_block(r: int) -> int:
@@ -363,6 +375,7 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     _take_lanes_kernel[(1,)](
         token_ids, s.done, s.ready, s.exited, s.has_target, s.speculates, s.loops, s.position,
         s.token, s.target, s.exit_at, s.remaining, s.count, s.max_count, s.stop_mask, s.tokens,
-        s.sampled, s.depths, s.indices, s.phase, n, max_rows, vocab, draft_loops, LANES=lanes,
+        s.sampled, s.depths, s.indices, s.phase, s.counts, n, max_rows, vocab, draft_loops,
+        LANES=lanes,
         BLOCK_N=triton.next_power_of_2(n), BLOCK_W=triton.next_power_of_2(lanes), num_warps=4,
     )  # fmt: skip

@@ -117,15 +117,15 @@ class DeviceRunner:
                     self._call(key, lambda: self._step(rows))
         s = self.state
         phases = sum(run.sample_at)
-        kept, indices = slice(0, r), None
+        kept, indices, counts = slice(0, r), None, None
         if lanes > 1:
             kept = run_rows_torch.settle_lanes(s, len(mirrors), lanes, self.states.buffer,
                                                self.windows.tokens)  # fmt: skip
-            indices = s.indices[:phases, :r]
+            indices, counts = s.indices[:phases, :r], s.counts[:, :r:lanes]
         copied = read_back(
             s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r], indices,
             *s.logprob_views(tensors.num_logprobs, phases, r), s.loops[kept],
-            s.remaining[kept], s.exit_at[kept], s.ready[kept],
+            s.remaining[kept], s.exit_at[kept], s.ready[kept], counts,
         )  # fmt: skip
         return lambda: _results(copied(), [p.num_logprobs for p in params], lanes)
 
@@ -288,9 +288,9 @@ def _results(copied, wants: list[int], lanes: int) -> tuple[RunRowResult, ...]:
     """Each row's tokens (phases where it sampled; with lanes, those of all its lanes in output
     order) and final state, from the read-back (as numpy arrays: per-row tensor indexing would
     cost the host a millisecond for 32 rows, while the GPU waits for the next plan)."""
-    tokens, sampled, depths, indices, logprobs, logprob_ids, loops, remaining, exit_at, ready = (
-        None if t is None else t.numpy() for t in copied
-    )
+    (tokens, sampled, depths, indices, logprobs, logprob_ids, loops, remaining, exit_at, ready,
+     counts) = (None if t is None else t.numpy() for t in copied)  # fmt: skip
+    counts = [(0, 0, 0)] * len(wants) if counts is None else counts.T.tolist()
     loops, remaining, exit_at, ready = (
         loops.tolist(),
         remaining.tolist(),
@@ -316,6 +316,7 @@ def _results(copied, wants: list[int], lanes: int) -> tuple[RunRowResult, ...]:
                 remaining=remaining[r],
                 exit_at=exit_at[r],
                 ready=ready[r],
+                spec_counts=tuple(counts[r]),
             )
         )
     return tuple(results)

@@ -127,6 +127,7 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     taken = torch.zeros_like(done)
     cur = _oldest(done, pos)
     go = ~done.all(1)
+    accepted = torch.zeros_like(count)
     # the lane each row starts at depth 0 (at most one: after a restart no lane drafts)
     starts = torch.zeros_like(go)
     start_lane, start_token, start_position = (torch.zeros_like(count) for _ in range(3))
@@ -149,6 +150,7 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
         ends = go & ((count >= max_count) | stops.gather(1, tok[:, None])[:, 0])
         nxt = (cur + 1) % w
         accept = go & ~ends & ((lane == nxt[:, None]) & ~done & (token == tok[:, None])).any(1)
+        accepted += accept
         again = go & ~ends & ~accept
         done |= hot | (ends | again)[:, None]
         starting(again, nxt, tok, (pos * at).sum(1) + 1)
@@ -176,6 +178,8 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
         rec[:, :r].index_copy_(0, s.phase, value.view(1, r))
     s.sampled[:, :r].index_copy_(0, s.phase, taken.view(1, r))
     s.phase += 1
+    drafting = grid(s.speculates).any(1)
+    s.counts[:, :r:w] += torch.stack((drafts, accepted, taken.sum(1) * drafting)).long()
 
 
 def settle_lanes(s, n: int, lanes: int, buffer: torch.Tensor,

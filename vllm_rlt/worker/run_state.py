@@ -50,6 +50,9 @@ class RunState:
         # with lanes: the token each lane's position holds (it enters at depth 0), the target
         self._lane = zeros(2, s)
         self.token, self.target = self._lane
+        # with lanes, a run's counters on each row's first lane: drafts, accepted drafts and
+        # tokens taken by drafting rows
+        self.counts = zeros(3, s)
         self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
         # trace mode: exit loops of the tokens it starts, in order (of a run and its carry)
         self.trace = zeros(s, 2 * t)
@@ -147,6 +150,7 @@ class RunState:
             if lanes > 1:
                 self.token[:r] = window_tokens[self.slots[:r], 0]
         self.phase.zero_()
+        self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
         return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
 

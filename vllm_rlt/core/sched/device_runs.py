@@ -55,6 +55,7 @@ class RunPlanner:
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.speculative = speculative
+        self.spec_counts = [0, 0, 0]  # runs with lanes: drafts, accepted, tokens while drafting
 
     def wanted(self, tasks: list[ScheduledRequest], requests: dict[str, Request]) -> bool:
         """Whether the decode `tasks` (planned by DecodePlanner) run as a device run when their
@@ -152,6 +153,22 @@ class RunPlanner:
         return DecodeRun(self.exit_policy.name, rows, (True,) * (loops + 1),
                          lanes=spec.num_speculative_tokens + 1,
                          draft_loops=spec.speculative_draft_loops)  # fmt: skip
+
+    def spec_stats(self) -> dict[str, float]:
+        """With lanes, the speculative counters of `SpecPlanner.as_dict`: drafts, accepted
+        drafts, and as windows the tokens drafting rows took that were not accepted drafts (so
+        that the mean accepted length is tokens per such token)."""
+        if self.speculative is None:
+            return {}
+        drafted, accepted, taken = self.spec_counts
+        windows = taken - accepted
+        return {
+            "spec_windows": windows,
+            "spec_draft_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
+        }
 
     def _longest(self, running: list[Request], waiting: bool) -> int:
         """How many invocations a run alone may take: `device_decode_loops`, but one token's
@@ -254,6 +271,9 @@ class RunPlanner:
     def apply(self, req: Request, result: RunRowResult, append) -> None:
         """Take a run's tokens for `req` (`append(req, token)`: the scheduler's stop checks, which
         may finish it) and set its newest token's state as the device left it."""
+        self.spec_counts = [
+            a + b for a, b in zip(self.spec_counts, result.spec_counts, strict=True)
+        ]
         for token, depth in result.sampled:
             req.pending_exit_depths.append(depth)
             append(req, token)

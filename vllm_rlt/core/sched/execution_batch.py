@@ -246,6 +246,8 @@ class RunRowResult:
     remaining: float  # its exit rule's running product
     exit_at: int  # 0: not set
     ready: bool  # it exited and waits for the coda (the next step samples it)
+    # a run with lanes: its drafts, the drafts accepted, the tokens it took while drafting
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
 
 
 def split_kinds(tasks) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:

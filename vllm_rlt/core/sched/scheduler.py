@@ -391,6 +391,11 @@ class Scheduler:
             return []
         return self.planner.plan([r for r in self.running if r.in_prefill], budget)
 
+    def spec_stats(self) -> dict[str, float]:
+        """Speculation's counters and ratios (`SpecPlanner.as_dict`; with the exit gate, the
+        runs with lanes'), empty without speculation."""
+        return self.spec.as_dict() if self.spec is not None else self.runs.spec_stats()
+
     # ---- update -----------------------------------------------------------------------------
     def update(self, batch: ExecutionBatch, output: StepOutput) -> list[tuple[Request, int]]:
         """Take the runner's answer to `batch`, right after its launch: the step's loops advance
