@@ -121,6 +121,7 @@ class _Acceptor:
         self.ranks = set(ranks)
         self.joined: dict[int, tuple[Connection, str]] = {}
         self.closed = False
+        self.refused = False  # an engine's handshake failed: its secret differs
         self.thread = threading.Thread(target=self._accept, daemon=True, name="pd-acceptor")
         self.thread.start()
 
@@ -129,10 +130,13 @@ class _Acceptor:
             try:
                 conn = self.listener.accept()
                 join = conn.recv()
-            except (OSError, EOFError, multiprocessing.AuthenticationError):
+            except multiprocessing.AuthenticationError:
+                self.refused = True  # no wait for the deadline: the start fails now
+                return
+            except (OSError, EOFError):
                 if self.closed:  # the deadline passed
                     return
-                continue  # a failed handshake: wait for the next
+                continue  # a connection that did not complete: wait for the next
             if not isinstance(join, msg.Join) or join.rank not in self.ranks - set(self.joined):
                 conn.send(msg.StartFailed(-1, f"this front end expects no engine {join!r}"))
                 conn.close()
@@ -147,6 +151,11 @@ class _Acceptor:
         if missing:
             for conn, _ in self.joined.values():
                 conn.close()
+            if self.refused:
+                raise ConfigError(
+                    f"remote engines {missing} did not connect: an engine's handshake was "
+                    f"refused ({AUTHKEY_ENV} differs from this front end's)"
+                )
             raise ConfigError(f"remote engines {missing} did not connect in {START_TIMEOUT_S} s")
         return self.joined
 
