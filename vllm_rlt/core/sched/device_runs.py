@@ -32,6 +32,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy, TraceExit
 from vllm_rlt.core.sched.kv_demand import kv_demand
+from vllm_rlt.core.sched.lane_rule import LaneRule
 from vllm_rlt.request import DecodeToken, Request
 
 
@@ -55,7 +56,7 @@ class RunPlanner:
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.speculative = speculative
-        self.spec_counts = [0, 0, 0]  # runs with lanes: drafts, accepted, tokens while drafting
+        self.lane_rule = LaneRule()  # whether runs with lanes pay; their counters
 
     def wanted(self, tasks: list[ScheduledRequest], requests: dict[str, Request]) -> bool:
         """Whether the decode `tasks` (planned by DecodePlanner) run as a device run when their
@@ -111,6 +112,8 @@ class RunPlanner:
             return None
         if any(r.decode is None or r.status.finished for r in reqs):
             return None
+        if flight.lanes > 1 and not self.lane_rule.keeps():
+            return None  # lanes stopped paying: the next run is fresh, without them
         # (a run with lanes may take several tokens of a row in one sample phase)
         before, samples = len(flight.sample_at) - 1, sum(flight.sample_at) * flight.lanes
         if waiting and any(
@@ -130,11 +133,12 @@ class RunPlanner:
 
     def _speculates(self, reqs: list[Request]) -> bool:
         """Whether a run alone over the rows of `reqs` speculates: speculation is on, at most
-        `speculative_max_decode_rows` rows decode and some row is greedy without logprobs."""
+        `speculative_max_decode_rows` rows decode, some row is greedy without logprobs, and
+        lanes pay (`LaneRule`)."""
         spec = self.speculative
         if spec is None or len(reqs) > spec.speculative_max_decode_rows:
             return False
-        return any(self._drafts(r) for r in reqs)
+        return any(self._drafts(r) for r in reqs) and self.lane_rule.wanted()
 
     @staticmethod
     def _drafts(req: Request) -> bool:
@@ -155,20 +159,13 @@ class RunPlanner:
                          draft_loops=spec.speculative_draft_loops)  # fmt: skip
 
     def spec_stats(self) -> dict[str, float]:
-        """With lanes, the speculative counters of `SpecPlanner.as_dict`: drafts, accepted
-        drafts, and as windows the tokens drafting rows took that were not accepted drafts (so
-        that the mean accepted length is tokens per such token)."""
-        if self.speculative is None:
-            return {}
-        drafted, accepted, taken = self.spec_counts
-        windows = taken - accepted
-        return {
-            "spec_windows": windows,
-            "spec_draft_tokens": drafted,
-            "spec_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
-        }
+        """With lanes, the speculative counters and ratios (`LaneRule.as_dict`)."""
+        return {} if self.speculative is None else self.lane_rule.as_dict()
+
+    def record(self, run: DecodeRun, results: tuple[RunRowResult, ...]) -> None:
+        """A run's results were read back (for the rule on lanes)."""
+        if self.speculative is not None:
+            self.lane_rule.record(run, results)
 
     def _longest(self, running: list[Request], waiting: bool) -> int:
         """How many invocations a run alone may take: `device_decode_loops`, but one token's
@@ -271,9 +268,6 @@ class RunPlanner:
     def apply(self, req: Request, result: RunRowResult, append) -> None:
         """Take a run's tokens for `req` (`append(req, token)`: the scheduler's stop checks, which
         may finish it) and set its newest token's state as the device left it."""
-        self.spec_counts = [
-            a + b for a, b in zip(self.spec_counts, result.spec_counts, strict=True)
-        ]
         for token, depth in result.sampled:
             req.pending_exit_depths.append(depth)
             append(req, token)

@@ -502,6 +502,7 @@ class Scheduler:
         step's own samples were applied)."""
         if batch is self._flight:
             self._flight = None
+        self.runs.record(batch.decode_run, results)
         for task, result in zip(batch.requests[: len(results)], results, strict=True):
             req = self.requests.get(task.request_id)
             if req is not None:
