@@ -15,6 +15,7 @@ that stopped paying end the carry). The rule also keeps the speculative counters
 from __future__ import annotations
 
 from vllm_rlt.core.sched.execution_batch import DecodeRun, RunRowResult
+from vllm_rlt.core.sched.spec_planner import spec_counters
 
 MARGIN = 1.1  # lanes must beat plain decoding's tokens per row and invocation by this factor
 MEMORY = 256  # tokens the estimates remember (older ones fade geometrically)
@@ -72,11 +73,4 @@ class LaneRule:
         windows the tokens drafting rows took that were not accepted drafts (so that the mean
         accepted length is tokens per such token)."""
         drafted, accepted, taken = self.counts
-        windows = taken - accepted
-        return {
-            "spec_windows": windows,
-            "spec_draft_tokens": drafted,
-            "spec_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
-        }
+        return spec_counters(taken - accepted, drafted, accepted)

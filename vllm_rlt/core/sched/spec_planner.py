@@ -184,14 +184,7 @@ class SpecPlanner:
     def as_dict(self) -> dict[str, float]:
         """The counters, the acceptance rate (accepted / drafted tokens) and the mean accepted
         length (tokens per window: accepted drafts + the target's token)."""
-        windows, drafted, accepted = self.num_windows, self.num_drafted, self.num_accepted
-        return {
-            "spec_windows": windows,
-            "spec_draft_tokens": drafted,
-            "spec_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
-        }
+        return spec_counters(self.num_windows, self.num_drafted, self.num_accepted)
 
     def record(self, w: SpecWindow, num_tokens: int) -> None:
         """A window's acceptance was read back: `num_tokens` tokens (accepted drafts + one)."""
@@ -201,3 +194,15 @@ class SpecPlanner:
         fade = (1 - 1 / MEMORY) ** w.num_drafts
         self.recent_drafted = self.recent_drafted * fade + w.num_drafts
         self.recent_accepted = self.recent_accepted * fade + num_tokens - 1
+
+
+def spec_counters(windows: int, drafted: int, accepted: int) -> dict[str, float]:
+    """Speculation's counters as the engine reports them, with the acceptance rate (accepted /
+    drafted tokens) and the mean accepted length (tokens per window: accepted drafts + one)."""
+    return {
+        "spec_windows": windows,
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "spec_mean_accepted_length": 1 + accepted / windows if windows else 0.0,
+    }
