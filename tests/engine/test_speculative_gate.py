@@ -85,8 +85,10 @@ def _plain(mode: str, jobs: list[Job], **kw) -> dict:
     return _PLAIN[key]
 
 
-@pytest.mark.parametrize("mode", ["ouro", "ouro_delayed"])
-@pytest.mark.parametrize("k,draft_loops", [(1, 1), (3, 1), (2, 2), (4, 3)])
+@pytest.mark.parametrize(
+    "mode,k,draft_loops",
+    [("ouro", 1, 1), ("ouro_delayed", 3, 1), ("ouro", 2, 2), ("ouro_delayed", 4, 3)],
+)
 def test_lanes_compute_what_plain_decoding_computes(mode, k, draft_loops):
     jobs = _jobs(len(mode))  # (one plain reference per mode)
     eng = make_engine(default_model_dir(), exit_mode=mode, max_num_seqs=6,
