@@ -119,8 +119,7 @@ class DeviceRunner:
         phases = sum(run.sample_at)
         kept, indices, counts = slice(0, r), None, None
         if lanes > 1:
-            kept = run_rows_torch.settle_lanes(s, len(mirrors), lanes, self.states.buffer,
-                                               self.windows.tokens)  # fmt: skip
+            kept = s.settle(len(mirrors), lanes, self.states.buffer, self.windows.tokens)
             indices, counts = s.indices[:phases, :r], s.counts[:, :r:lanes]
         copied = read_back(
             s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r], indices,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.run_state import oldest_lanes
 
 
 def _live(s, r: int) -> torch.Tensor:
@@ -125,7 +126,7 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     stops = s.stop_mask[:r].view(n, w, -1)[:, 0]
     record = [torch.zeros_like(drawn) for _ in range(3)]  # token, depth, output index
     taken = torch.zeros_like(done)
-    cur = _oldest(done, pos)
+    cur = oldest_lanes(done, pos)
     go = ~done.all(1)
     accepted = torch.zeros_like(count)
     # the lane each row starts at depth 0 (at most one: after a restart no lane drafts)
@@ -158,7 +159,7 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     grid(s.count).copy_(count[:, None].expand(n, w))
     # the newest lane drafts
     length = (~done).sum(1)
-    tail = (_oldest(done, pos) + length - 1) % w
+    tail = (oldest_lanes(done, pos) + length - 1) % w
     at = lane == tail[:, None]
     exited = (ready & at).any(1)
     draft = torch.where(exited, (target * at).sum(1), (drawn * at).sum(1))
@@ -180,24 +181,3 @@ def take_lanes(s, n: int, lanes: int, draft_loops: int, token_ids: torch.Tensor)
     s.phase += 1
     drafting = grid(s.speculates).any(1)
     s.counts[:, :r:w] += torch.stack((drafts, accepted, taken.sum(1) * drafting)).long()
-
-
-def settle_lanes(s, n: int, lanes: int, buffer: torch.Tensor,
-                 window_tokens: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """After a run with lanes, of its first `n` rows (real ones, each with its own slot): the
-    state of each row's oldest lane (its newest taken token's) goes to the row's decode row of
-    `buffer` and its token is the slot's newest (`window_tokens` column 0), where the host path
-    finds them. The lanes after it go on in a carried run; a fresh run starts from the oldest
-    lane alone. Returns the oldest lanes' indices [n]."""
-    w, r = lanes, n * lanes
-    head = _oldest(s.done[:r].view(n, w), s.position[:r].view(n, w))
-    kept = torch.arange(n, device=head.device) * w + head
-    slots = s.slots[kept]
-    buffer[slots] = buffer[s.state_rows[kept]]  # (decode row = slot)
-    window_tokens[slots, 0] = s.token[kept]
-    return kept
-
-
-def _oldest(done: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Per row [n], its lane holding the oldest position among the live ones (0 if none)."""
-    return torch.where(done, torch.iinfo(pos.dtype).max, pos).argmin(1)

@@ -107,13 +107,11 @@ class RunState:
             lane = np.tile(np.arange(lanes), len(rows))
             live = lane == np.repeat([x.position % lanes for x in rows], lanes)
             # with lanes, every lane's state in the ring (the decode row is the oldest's copy
-            # for the host path, `settle_lanes`)
+            # for the host path, `settle`)
             state_rows = np.array([
                 states.ring_row(m.slot, j) if lanes > 1 else states.decode_row(m.slot)
                 for m, j in zip([m for m in mirrors for _ in range(lanes)], lane, strict=True)
             ], dtype=np.int64)  # fmt: skip
-            decode_rows = [states.decode_row(m.slot) for m in mirrors]
-            arrays.append(np.array([decode_rows, state_rows[live]], dtype=np.int64))
             ints[_CARRIED_INTS:, :r] = np.repeat(np.array([
                 (m.slot, 0, x.loops_done, x.exit_at, x.position, x.num_sampled, x.max_tokens,
                  x.min_loops, x.max_loops)
@@ -130,10 +128,10 @@ class RunState:
             stops = [(i * lanes + j, t) for i, x in enumerate(rows) for t in x.stop_token_ids
                      for j in range(lanes)]  # fmt: skip
             arrays += [f64, flags, np.array(stops, dtype=np.int64).reshape(-1, 2)]
+            if lanes > 1:  # the newest token's state moves from the decode row to its lane's
+                decode_rows = [states.decode_row(m.slot) for m in mirrors]
+                arrays.append(np.array([decode_rows, state_rows[live]], dtype=np.int64))
         ints, f32, tables, trace, *fresh = to_device_packed(arrays, self.device)
-        if fresh and lanes > 1:  # the newest token's state into its lane's row
-            states.buffer[fresh[0][1]] = states.buffer[fresh[0][0]]
-        fresh = fresh[1:]
         self._ints[: len(ints), :padded].copy_(ints)
         self._f32[:, :padded].copy_(f32)
         self.tables[:r, :, :width].copy_(tables)
@@ -141,18 +139,35 @@ class RunState:
         if trace.shape[1]:
             self.trace[:r, : trace.shape[1]].copy_(trace)
         if fresh:
-            f64, flags, stops = fresh
+            f64, flags, stops, *moves = fresh
             self._f64[:, :padded].copy_(f64)
             self._flags[:, :padded].copy_(flags)
             self.stop_mask[:r] = False
             if len(stops):
                 self.stop_mask[stops[:, 0], stops[:, 1]] = True
-            if lanes > 1:
+            if moves:  # (lanes)
+                decode_rows, lane_rows = moves[0]
+                states.buffer[lane_rows] = states.buffer[decode_rows]
                 self.token[:r] = window_tokens[self.slots[:r], 0]
         self.phase.zero_()
         self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
         return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
+
+    def settle(self, n: int, lanes: int, buffer: torch.Tensor,
+               window_tokens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """After a run with lanes, of its first `n` rows (real ones, each with its own slot): the
+        state of each row's oldest lane (its newest taken token's) goes to the row's decode row
+        of `buffer` and its token is the slot's newest (`window_tokens` column 0), where the host
+        path finds them. The lanes after it go on in a carried run; a fresh run starts from the
+        oldest lane alone. Returns the oldest lanes' indices [n]. Torch ops, no host sync."""
+        r = n * lanes
+        head = oldest_lanes(self.done[:r].view(n, lanes), self.position[:r].view(n, lanes))
+        kept = torch.arange(n, device=head.device) * lanes + head
+        slots = self.slots[kept]
+        buffer[slots] = buffer[self.state_rows[kept]]  # (decode row = slot)
+        window_tokens[slots, 0] = self.token[kept]
+        return kept
 
     def idle(self, rows: int) -> SamplingTensors:
         """The first `rows` rows idle (stopped: they run no loop and take no token), with greedy
@@ -208,3 +223,9 @@ class RunState:
             return None, None
         values, ids = self._logprobs[num_logprobs]
         return values[:phases, :r], ids[:phases, :r]
+
+
+def oldest_lanes(done: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Per row of lanes ([n, lanes] flags and positions), its lane holding the oldest position
+    among the live ones (0 if none)."""
+    return torch.where(done, torch.iinfo(pos.dtype).max, pos).argmin(1)

@@ -9,7 +9,8 @@ its rows took per row and invocation. Runs with lanes go on while theirs exceeds
 last ~`MEMORY` tokens, are judged after `JUDGE_AFTER` tokens of runs with lanes, and once lanes
 are declined one fresh run in `PROBE_EVERY` still has them, so that a workload whose drafts
 become good turns them back on (a carried run goes on as the run before it, except that lanes
-that stopped paying end the carry). The rule also keeps the speculative counters of runs with lanes.
+that stopped paying end the carry). The rule also keeps the speculative counters of runs with
+lanes.
 """
 
 from __future__ import annotations
