@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -83,16 +82,14 @@ def test_a_remote_decode_engine_serves_and_its_death_is_seen(model_dir, monkeypa
 
 def test_a_remote_engine_with_the_wrong_secret_is_not_admitted(model_dir, monkeypatch):
     monkeypatch.setenv(AUTHKEY_ENV, "right")
-    monkeypatch.setattr(engines, "START_TIMEOUT_S", 60.0)  # (a refusal ends the wait at once)
+    # the default deadline: only a refused handshake ends the start early, with its own message
     config = EngineConfig.from_kwargs(model=str(model_dir), device="cpu", dtype="float32")
     port = free_port("127.0.0.1")
     disagg = DisaggConfig(pd_prefill=1, pd_decode=1, pd_remote_decode=1, pd_control_port=port)
     remote = start_remote(port, rank=1, secret="wrong", stderr=subprocess.PIPE)
     try:
-        start = time.monotonic()
         with pytest.raises(ConfigError, match=r"remote engines \[1\] did not connect: .* refused"):
             PDRouter(config, disagg)
-        assert time.monotonic() - start < 30
         assert remote.wait(timeout=30) == 1  # the handshake failed on its side too: one line
         assert remote.stderr.read() == (
             f"error: the front end at 127.0.0.1:{port} refused {AUTHKEY_ENV}\n"
