@@ -64,8 +64,8 @@ class PDRouter(FrontEnd):
     ):
         """Starts pd_prefill + pd_decode engine processes (see `FrontEnd`).
         `record_transfers`: keep, per finished request, when the prefill engine completed its
-        prompt, when its first chunk reached the decode engine and how many blocks the decode
-        engine's prefix cache held (`transfers`; tests)."""
+        prompt, when its first chunk reached the decode engine, in how many chunks its KV went and
+        how many blocks the decode engine's prefix cache held (`transfers`; tests)."""
         self.transfers: dict[str, dict[str, float]] | None = {} if record_transfers else None
         self._seeds = random.Random(config.model.seed)
         self._transfer_stats = dict.fromkeys(PD_COUNTERS, 0)
@@ -127,6 +127,7 @@ class PDRouter(FrontEnd):
             flight.kv_arrived = True
         elif isinstance(m, msg.Imported):
             flight.transfer["first_chunk_at"] = m.first_chunk_at
+            flight.transfer["chunks"] = m.num_chunks
             self._count_transfer(flight.transfer, m)
 
     def _stats(self) -> dict[str, float]:
