@@ -8,6 +8,7 @@ steps."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -105,8 +106,12 @@ def _assert_same(eng, jobs, got: dict, want: dict, exact: bool) -> None:
         if compare(eng, jobs, pick(got), pick(want), "last_exited"):
             return  # a near-tie parts the two: what follows it differs
     for req_id, (*_, lps) in got.items():
-        for a, b in zip(lps or (), want[req_id][4] or (), strict=True):
-            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+        for i, (a, b) in enumerate(zip(lps or (), want[req_id][4] or (), strict=True)):
+            assert a.keys() == b.keys(), (req_id, i)
+            # fp32 rounding: on CUDA the LM head over a run's lanes is another GEMM than over
+            # one row per request, and a logprob of -6 then moves by ~1e-5 (2e-6 relative)
+            near = all(math.isclose(a[t], b[t], rel_tol=1e-5, abs_tol=1e-5) for t in a)
+            assert near, (req_id, i, a, b)
 
 
 @pytest.mark.parametrize("device,backend", TARGETS)
