@@ -152,27 +152,36 @@ def test_runs_beside_prefill(model_dir, mode):
     _assert_same(eng, jobs, results[16], results[0], exact=True)
 
 
-def test_runs_take_one_tokens_loops_while_a_request_waits_for_a_seat(model_dir):
-    """While a request waits for a seat, a run is no longer than a full-depth token's loops (its
-    admission, and the streams' next tokens, wait no longer than at fixed depth); once nothing
-    waits, runs take up to device_decode_loops invocations."""
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_runs_take_one_tokens_loops_while_a_seat_may_free(model_dir, ignore_eos):
+    """While a request waits for a seat that a row may free within the run (a row with a stop
+    token, or within the run's reach of max_tokens), a run is no longer than a full-depth
+    token's loops (its admission, and the streams' next tokens, wait no longer than at fixed
+    depth); otherwise runs take up to device_decode_loops invocations."""
     eng = make_engine(model_dir, max_num_seqs=2, device_decode_loops=16)
+    eng.eos_token_ids = (7, 11)
     lengths, schedule = [], eng.scheduler.schedule
 
     def recording():
-        waiting = bool(eng.scheduler.waiting)
+        s = eng.scheduler
+        left = min(r.sampling_params.max_tokens - r.num_sampled for r in s.running or s.waiting)
+        waiting = bool(s.waiting)
         batch = schedule()
-        if batch is not None and batch.decode_run is not None:
-            alone = len(batch.requests) == len(batch.decode_run.rows)
-            lengths.append((waiting, batch.loop_count)) if alone else None
+        if batch is not None and batch.decode_run is not None and not batch.decode_run.carried:
+            if len(batch.requests) == len(batch.decode_run.rows):  # (a run alone)
+                lengths.append((waiting, left, batch.loop_count))
         return batch
 
     eng.scheduler.schedule = recording
-    params = SamplingParams(max_tokens=30, ignore_eos=True, exit_threshold=0.5, temperature=0)
+    params = SamplingParams(max_tokens=40, ignore_eos=ignore_eos, exit_threshold=0.5, temperature=0)
     _run(eng, [Job(f"j{i}", [3 + i] * 9, params) for i in range(5)])
     assert kv_all_free(eng)
-    assert any(w for w, _ in lengths) and all(n <= eng.num_loops for w, n in lengths if w)
-    assert max(n for w, n in lengths if not w) > eng.num_loops, lengths
+    long = [(left, n) for w, left, n in lengths if w and n > eng.num_loops]
+    assert any(w for w, *_ in lengths) and max(n for *_, n in lengths) > eng.num_loops
+    if ignore_eos:  # long runs while a request waits, never within reach of max_tokens
+        assert long and all(left > 16 + 1 for left, _ in long), lengths
+    else:
+        assert not long, lengths
 
 
 def test_the_server_runs_shorter_runs_by_default(model_dir):

@@ -57,8 +57,18 @@ def _same(got: dict, want: dict) -> None:
 
 
 def _lanes_runs(eng) -> list[int]:
-    """Count the runs with lanes, and those carried, into the returned list."""
-    count, schedule = [0, 0], eng.scheduler.schedule
+    """Count the runs with lanes, and those carried, into the returned list; check that no row
+    takes more tokens in a run than the scheduler's bound on them (which lets runs go on while
+    a request waits for a seat no row can free): one per sample phase, and those of the lanes
+    live at a carried run's start (a fresh run starts with one)."""
+    count, schedule, record = [0, 0], eng.scheduler.schedule, eng.scheduler.runs.record
+
+    def checked(run, results):
+        bound = sum(run.sample_at) + (run.lanes if run.carried and run.lanes > 1 else 0)
+        assert all(len(r.sampled) <= bound for r in results), (run, results)
+        record(run, results)
+
+    eng.scheduler.runs.record = checked
 
     def counting():
         batch = schedule()

@@ -7,10 +7,11 @@ and for how many invocations, and reserves the KV blocks every token they may pr
 A run is planned over a step's decode rows with no speculative window, when some decoding
 token's exit depends on its gate or varies (fixed-depth decoding already runs all its loops per
 step, R1) and the blocks fit without preempting anyone. Alone in its batch, its length is
-`device_decode_loops` (one token's loops while a request waits for a seat or a prompt for its
-prefill turn), at most `max_prefill_stall_loops` (R4: arrivals wait at most that many loops),
-and no longer than the rows' longest remaining work (`max_tokens`). Beside prefill tasks (mixed
-scheduling), it runs the prefill batch's loops (R2-R6), its rows riding those invocations.
+`device_decode_loops` (one token's loops while a prompt waits for its prefill turn, or a request
+for a seat that a row may free within the run), at most `max_prefill_stall_loops` (R4: arrivals
+wait at most that many loops), and no longer than the rows' longest remaining work
+(`max_tokens`). Beside prefill tasks (mixed scheduling), it runs the prefill batch's loops
+(R2-R6), its rows riding those invocations.
 
 With speculation and the exit gate (`speculative`; docs/design/speculative.md §3) a run alone
 with at most `speculative_max_decode_rows` rows gives each row K + 1 lanes, and its greedy rows
@@ -83,7 +84,7 @@ class RunPlanner:
         if not self.wanted(tasks, requests):
             return None
         reqs = [requests[t.request_id] for t in tasks]
-        longest = self._longest(running, waiting)
+        longest = self._longest(reqs, running, waiting)
         loops = beside or min(longest, max(self._work(r) for r in reqs))
         if loops < 2:
             return None
@@ -114,13 +115,11 @@ class RunPlanner:
             return None
         if flight.lanes > 1 and not self.lane_rule.keeps():
             return None  # lanes stopped paying: the next run is fresh, without them
-        # (a run with lanes may take several tokens of a row in one sample phase)
-        before, samples = len(flight.sample_at) - 1, sum(flight.sample_at) * flight.lanes
-        if waiting and any(
-            self._may_end(r, row, samples) for r, row in zip(reqs, flight.rows, strict=True)
-        ):
+        before, samples = len(flight.sample_at) - 1, self._takes(flight)
+        if waiting and any(self._may_end(r, samples) for r in reqs):
             return None
-        loops = min(self._longest(running, waiting), max(self._work(r) for r in reqs) - before)
+        longest = self._longest(reqs, running, waiting, samples)
+        loops = min(longest, max(self._work(r) for r in reqs) - before)
         if loops < 2:
             return None
         if not self._reserve(reqs, before + loops + (flight.lanes > 1), []):
@@ -167,19 +166,35 @@ class RunPlanner:
         if self.speculative is not None:
             self.lane_rule.record(run, results)
 
-    def _longest(self, running: list[Request], waiting: bool) -> int:
-        """How many invocations a run alone may take: `device_decode_loops`, but one token's
-        loops at full depth while a request waits for a seat or a prompt for its prefill turn
-        (R7): an arrival then waits no longer for its admission, nor a stream for its next
-        tokens, than at fixed depth."""
-        if waiting or any(r.in_prefill for r in running):
+    def _longest(
+        self, reqs: list[Request], running: list[Request], waiting: bool, before: int = 0
+    ) -> int:
+        """How many invocations a run alone over the rows of `reqs` may take:
+        `device_decode_loops`, but one token's loops at full depth while a prompt waits for its
+        prefill turn, or a request for a seat that a row may free within the run (R7): an
+        arrival then waits no longer for its admission, nor a stream for its next tokens, than
+        at fixed depth. (`before`: tokens a row may take in the run in flight before it.)"""
+        if any(r.in_prefill for r in running):
+            return self.num_loops
+        # a fresh run of n invocations takes at most n + 1 tokens a row (`_takes`; a carried
+        # one's lanes live at its start are positions the run before counted)
+        reach = before + self.max_loops + 1
+        if waiting and any(self._may_end(r, reach) for r in reqs):
             return self.num_loops
         return self.max_loops
 
     @staticmethod
-    def _may_end(req: Request, row: RunRow, samples: int) -> bool:
-        """Whether the row may end within a run of `samples` sampling phases."""
-        return bool(row.stop_token_ids) or row.max_tokens - req.num_sampled <= samples
+    def _takes(run: DecodeRun) -> int:
+        """The most tokens a row may take in `run`: one per sample phase; with lanes, where one
+        phase may take several, one position starts per phase at most, so those of the lanes
+        live at its start besides."""
+        return sum(run.sample_at) + (run.lanes if run.lanes > 1 else 0)
+
+    @staticmethod
+    def _may_end(req: Request, samples: int) -> bool:
+        """Whether the request may end within `samples` more sampled tokens: it has a stop
+        token, or no more than that many tokens left before max_tokens."""
+        return bool(_stops(req)) or req.sampling_params.max_tokens - req.num_sampled <= samples
 
     def _reserve(self, reqs: list[Request], loops: int, exits) -> bool:
         """Allocate every plane of each position a token of the next `loops` invocations may
@@ -210,19 +225,17 @@ class RunPlanner:
             for t in starts:
                 self.exit_policy.start(t, settings, req.request_id)
             trace = tuple(t.exit_at for t in starts)
-        params = req.sampling_params
-        stops = params.stop_token_ids + (() if params.ignore_eos else req.eos_token_ids)
         return RunRow(
             loops_done=tok.loops_done,
             remaining=tok.remaining,
             exit_at=tok.exit_at or 0,
             position=tok.position,
             num_sampled=req.num_sampled,
-            max_tokens=params.max_tokens,
+            max_tokens=req.sampling_params.max_tokens,
             min_loops=settings.min_loops,
             max_loops=settings.max_loops,
             threshold=settings.threshold,
-            stop_token_ids=tuple(dict.fromkeys(stops)),
+            stop_token_ids=_stops(req),
             trace=trace,
         )
 
@@ -283,3 +296,11 @@ class RunPlanner:
             remaining=result.remaining,
             exit_at=result.exit_at or None,
         )
+
+
+def _stops(req: Request) -> tuple[int, ...]:
+    """The tokens that end the request when sampled (its stop tokens, EOS unless ignored)."""
+    params = req.sampling_params
+    return tuple(
+        dict.fromkeys(params.stop_token_ids + (() if params.ignore_eos else req.eos_token_ids))
+    )
