@@ -167,9 +167,9 @@ def test_runs_take_one_tokens_loops_while_a_seat_may_free(model_dir, ignore_eos)
         left = min(r.sampling_params.max_tokens - r.num_sampled for r in s.running or s.waiting)
         waiting = bool(s.waiting)
         batch = schedule()
-        if batch is not None and batch.decode_run is not None and not batch.decode_run.carried:
-            if len(batch.requests) == len(batch.decode_run.rows):  # (a run alone)
-                lengths.append((waiting, left, batch.loop_count))
+        run = None if batch is None else batch.decode_run
+        if run is not None and not run.carried and len(batch.requests) == len(run.rows):
+            lengths.append((waiting, left, batch.loop_count))  # (a fresh run alone)
         return batch
 
     eng.scheduler.schedule = recording
