@@ -15,9 +15,14 @@ import pytest
 from tests.engine.harness import Job, kv_all_free, make_engine
 from tests.engine.test_device_runs import _assert_same, _run
 from vllm_rlt.config import ConfigError
+from vllm_rlt.core.sched import device_runs as sched_runs
+from vllm_rlt.engine import assembly
 from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker import run_rows_torch
 from vllm_rlt.worker.device_runs import DeviceRunner
+
+D = 4  # the packaged model's loops
 
 
 def _jobs(seed: int, num: int = 8) -> list[Job]:
@@ -131,6 +136,27 @@ def test_preemption_prefix_hits_and_carried_runs():
     assert kv_all_free(eng) and eng.scheduler.prefix_hits > 0
     assert eng.scheduler.num_preemptions > 0 and lanes[0] > 0 and lanes[1] > 0
     _assert_same(eng, jobs, got, _plain("ouro", jobs, **kw), exact=True)
+
+
+def test_no_more_lanes_live_than_the_model_has_loops(monkeypatch):
+    """`run_lanes` gives a row at most as many lanes as the model has loops: with one lane more
+    (the bound lifted), no sample phase leaves more than that many of a row's lanes live, and
+    with tokens running deep (a high threshold) some phase reaches it."""
+    monkeypatch.setattr(assembly, "run_lanes", lambda drafts, loops: drafts + 1)
+    monkeypatch.setattr(sched_runs, "run_lanes", lambda drafts, loops: drafts + 1)
+    take, most = run_rows_torch.take_lanes, [0]
+
+    def counted(s, n, lanes, draft_loops, token_ids):
+        take(s, n, lanes, draft_loops, token_ids)
+        most[0] = max(most[0], int((~s.done[: n * lanes].view(n, lanes)).sum(1).max()))
+
+    monkeypatch.setattr(run_rows_torch, "take_lanes", counted)
+    eng = make_engine(default_model_dir(), max_num_seqs=2, num_speculative_tokens=D)
+    assert eng.scheduler.runs._lanes([], (), 1).lanes == D + 1  # (the bound is lifted)
+    params = SamplingParams(max_tokens=24, temperature=0.0, exit_threshold=0.97, ignore_eos=True)
+    rng = random.Random(5)
+    _run(eng, [Job(f"r{i}", rng.choices(range(40, 120), k=12), params, i) for i in range(3)])
+    assert most[0] == D
 
 
 def test_a_request_takes_fewer_invocations_than_loops(monkeypatch):

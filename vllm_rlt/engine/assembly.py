@@ -14,6 +14,7 @@ from vllm_rlt.attention.metadata import tile_rows_for
 from vllm_rlt.config import EngineConfig, KVLayout
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
+from vllm_rlt.core.sched.lane_rule import run_lanes
 from vllm_rlt.core.sched.prefill_planner import make_planner
 from vllm_rlt.core.sched.scheduler import Scheduler
 from vllm_rlt.engine.kv_handoff import KVHandoff
@@ -96,7 +97,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         run_state = RunState(
             sc.max_num_seqs, sc.run_loops, weight.shape[0], num_planes,
             -(-max_context // cc.block_size), model.state_size, weight.dtype, weight.device,
-            lanes=max_drafts + 1 if spec_runs else 1,
+            lanes=run_lanes(max_drafts, num_loops) if spec_runs else 1,
         )  # fmt: skip
     tile_rows = tile_rows_for(planner.task_rows)
     specs = ()

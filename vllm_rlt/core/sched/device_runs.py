@@ -33,7 +33,7 @@ from vllm_rlt.core.sched.execution_batch import (
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy, TraceExit
 from vllm_rlt.core.sched.kv_demand import kv_demand
-from vllm_rlt.core.sched.lane_rule import LaneRule
+from vllm_rlt.core.sched.lane_rule import LaneRule, run_lanes
 from vllm_rlt.request import DecodeToken, Request
 
 
@@ -154,7 +154,7 @@ class RunPlanner:
             replace(row, speculates=self._drafts(r)) for r, row in zip(reqs, rows, strict=True)
         )
         return DecodeRun(self.exit_policy.name, rows, (True,) * (loops + 1),
-                         lanes=spec.num_speculative_tokens + 1,
+                         lanes=run_lanes(spec.num_speculative_tokens, self.num_loops),
                          draft_loops=spec.speculative_draft_loops)  # fmt: skip
 
     def spec_stats(self) -> dict[str, float]:

@@ -24,6 +24,16 @@ JUDGE_AFTER = 32  # tokens of runs with lanes before the rule judges them
 PROBE_EVERY = 16  # once declined, one run in this many has lanes anyway
 
 
+def run_lanes(drafts: int, num_loops: int) -> int:
+    """The lanes of a row in a run with lanes for `drafts` (num_speculative_tokens) and a
+    model of `num_loops` loops: drafts + 1, but at most num_loops, since no more positions can
+    be in flight. A lane starts at most one position per sample phase and only after the one
+    before it ran a loop, and the oldest lane's token leaves after at most num_loops loops,
+    taken in the sample phase that follows, before the newest lane drafts into the freed lane;
+    so while the oldest runs, the others started in at most num_loops - 1 later phases."""
+    return min(drafts, num_loops - 1) + 1
+
+
 class LaneRule:
     def __init__(self) -> None:
         self.lane_tokens = 0.0  # tokens runs with lanes took, faded
