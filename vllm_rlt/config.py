@@ -341,7 +341,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = field_help(
         "self-speculative decoding: tokens a decoding request drafts with fewer loops before "
         "the full-depth model checks them (0: off). At fixed depth in windows; with the exit "
-        "gate in device runs, greedy requests only (docs/design/speculative.md)",
+        "gate in device runs, greedy requests only, at most loops - 1 drafts in flight "
+        "(docs/design/speculative.md)",
         default=0,
     )
     speculative_draft_loops: int = field_help(
