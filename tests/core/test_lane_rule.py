@@ -68,3 +68,30 @@ def test_the_engine_declines_lanes_whose_drafts_are_rejected(tmp_path):
         _run(eng, jobs)
         share[name] = count[0] / runs[0]
     assert share["random"] < 0.4 < 0.9 < share["packaged"]
+
+
+def test_a_carried_run_without_lanes_ends_when_lanes_pay_again():
+    """Lanes declined, one request's runs go on without them, carried one after another; once
+    lanes pay again (here: the rule is told so) the carry ends and the next run has them."""
+    eng = make_engine(default_model_dir(), max_num_seqs=1, num_speculative_tokens=1,
+                      exit_threshold=0.6, device_decode_loops=8)  # fmt: skip
+    rule = eng.scheduler.runs.lane_rule
+    paying, plain_carried, lanes_after = [False], [0], [0]
+    rule.judged, rule.pays = JUDGE_AFTER, lambda: paying[0]
+    schedule = eng.scheduler.schedule
+
+    def watching():
+        batch = schedule()
+        run = batch.decode_run
+        if run is not None and run.lanes == 1 and run.carried:
+            plain_carried[0] += 1
+            paying[0] = paying[0] or plain_carried[0] == 3
+        if run is not None and run.lanes > 1:
+            lanes_after[0] += 1
+        return batch
+
+    eng.scheduler.schedule = watching
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    _run(eng, [Job("r", list(range(40, 60)), params)])
+    assert plain_carried[0] >= 3 and paying[0]
+    assert lanes_after[0] >= 2  # the first once the carry ended, and those carried after it

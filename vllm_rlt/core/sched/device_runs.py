@@ -103,8 +103,9 @@ class RunPlanner:
         """The run that goes on from `flight` (the last run, not read back yet: the rows'
         states in `reqs` are those it started from) over the same rows, or None when the next
         plan needs its results: a row ended or left, another request runs, a waiting one
-        (`waiting`) may take a seat the run frees, no row has work left after it, or the
-        blocks do not fit. Allocates the blocks of both runs' positions."""
+        (`waiting`) may take a seat the run frees, no row has work left after it, lanes
+        stopped paying or are wanted again (`LaneRule`), or the blocks do not fit. Allocates
+        the blocks of both runs' positions."""
         if (
             not self.enabled
             or len(reqs) != len(running)
@@ -115,6 +116,8 @@ class RunPlanner:
             return None
         if flight.lanes > 1 and not self.lane_rule.keeps():
             return None  # lanes stopped paying: the next run is fresh, without them
+        if flight.lanes == 1 and self._speculates(reqs):
+            return None  # lanes are wanted again: the next run is fresh, with them
         before, samples = len(flight.sample_at) - 1, self._takes(flight)
         if waiting and any(self._may_end(r, samples) for r in reqs):
             return None

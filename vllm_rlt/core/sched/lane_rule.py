@@ -7,10 +7,11 @@ yields 1 / L tokens per row and invocation for L loops per token; a run with lan
 its rows took per row and invocation. Runs with lanes go on while theirs exceeds `MARGIN` / L
 (lanes add rows to every invocation and a sample phase after each); the estimates fade over the
 last ~`MEMORY` tokens, are judged after `JUDGE_AFTER` tokens of runs with lanes, and once lanes
-are declined one fresh run in `PROBE_EVERY` still has them, so that a workload whose drafts
-become good turns them back on (a carried run goes on as the run before it, except that lanes
-that stopped paying end the carry). The rule also keeps the speculative counters of runs with
-lanes.
+are declined one run in `PROBE_EVERY` still has them, so that a workload whose drafts become
+good turns them back on. A run planned or carried without lanes counts towards the probe; a
+carried run ends when lanes it has stopped paying, or when it has none and they are wanted
+again (lanes pay against a yardstick that moved, or a probe is due), so that the next run is
+fresh. The rule also keeps the speculative counters of runs with lanes.
 """
 
 from __future__ import annotations
@@ -41,18 +42,17 @@ class LaneRule:
         self.tokens = 0.0  # tokens of every run, faded
         self.loops = 0.0  # their exit depths' sum, faded alike
         self.judged = 0  # tokens of runs with lanes seen
-        self.declined = 0  # runs planned without lanes since the last probe
+        self.declined = 0  # runs without lanes since one with them was read back
         self.counts = [0, 0, 0]  # drafts, accepted drafts, tokens drafting rows took
 
     def wanted(self) -> bool:
-        """Whether the next fresh run that may have lanes has them (a probe counts here)."""
-        if self.keeps():
+        """Whether a run that may have lanes has them: they pay, or a probe is due (it stays due
+        until a run with lanes is read back, so asking twice gives the same answer); a run
+        without them counts towards the next probe."""
+        if self.keeps() or self.declined >= PROBE_EVERY - 1:
             return True
         self.declined += 1
-        if self.declined < PROBE_EVERY:
-            return False
-        self.declined = 0
-        return True
+        return False
 
     def keeps(self) -> bool:
         """Whether runs with lanes go on (a carried run keeps its lanes only then): not judged
@@ -73,6 +73,7 @@ class LaneRule:
         self.tokens = self.tokens * keep + tokens
         self.loops = self.loops * keep + loops
         if run.lanes > 1:
+            self.declined = 0
             self.lane_tokens = self.lane_tokens * keep + tokens
             self.lane_slots = self.lane_slots * keep + len(results) * (len(run.sample_at) - 1)
             self.judged += tokens
