@@ -117,14 +117,17 @@ class DeviceRunner:
                     self._call(key, lambda: self._step(rows))
         s = self.state
         phases = sum(run.sample_at)
-        kept, indices, counts = slice(0, r), None, None
+        final = (s.loops[:r], s.remaining[:r], s.exit_at[:r], s.ready[:r])
+        indices = counts = None
         if lanes > 1:
-            kept = s.settle(len(mirrors), lanes, self.states.buffer, self.windows.tokens)
+            m = len(mirrors)
+            buffer, tokens = self.states.buffer, self.windows.tokens
+            self._call(("settle", m, lanes), lambda: s.settle(m, lanes, buffer, tokens))
+            final = tuple(x[:m] for x in s.settled)
             indices, counts = s.indices[:phases, :r], s.counts[:, :r:lanes]
         copied = read_back(
             s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r], indices,
-            *s.logprob_views(tensors.num_logprobs, phases, r), s.loops[kept],
-            s.remaining[kept], s.exit_at[kept], s.ready[kept], counts,
+            *s.logprob_views(tensors.num_logprobs, phases, r), *final, counts,
         )  # fmt: skip
         return lambda: _results(copied(), [p.num_logprobs for p in params], lanes)
 

@@ -53,6 +53,10 @@ class RunState:
         # with lanes, a run's counters on each row's first lane: drafts, accepted drafts and
         # tokens taken by drafting rows
         self.counts = zeros(3, s)
+        # with lanes, after a run: each row's final loops, remaining, exit loop and ready flag
+        # (those of its oldest lane, `settle`), where the read-back finds them
+        self.settled = (zeros(max_rows), zeros(max_rows, dtype=torch.float64), zeros(max_rows),
+                        zeros(max_rows, dtype=torch.bool))  # fmt: skip
         self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
         # trace mode: exit loops of the tokens it starts, in order (of a run and its carry)
         self.trace = zeros(s, 2 * t)
@@ -154,20 +158,22 @@ class RunState:
         num_logprobs = max(p.num_logprobs for p in params)
         return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
 
-    def settle(self, n: int, lanes: int, buffer: torch.Tensor,
-               window_tokens: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def settle(self, n: int, lanes: int, buffer: torch.Tensor, window_tokens: torch.Tensor) -> None:
         """After a run with lanes, of its first `n` rows (real ones, each with its own slot): the
         state of each row's oldest lane (its newest taken token's) goes to the row's decode row
         of `buffer` and its token is the slot's newest (`window_tokens` column 0), where the host
-        path finds them. The lanes after it go on in a carried run; a fresh run starts from the
-        oldest lane alone. Returns the oldest lanes' indices [n]. Torch ops, no host sync."""
+        path finds them, and its final loops, remaining, exit loop and ready flag to `settled`.
+        The lanes after it go on in a carried run; a fresh run starts from the oldest lane alone.
+        Torch ops over the static buffers, no host sync: the runner captures them per `n`."""
         r = n * lanes
         head = oldest_lanes(self.done[:r].view(n, lanes), self.position[:r].view(n, lanes))
-        kept = torch.arange(n, device=head.device) * lanes + head
+        kept = self.ids[:n] * lanes + head
         slots = self.slots[kept]
         buffer[slots] = buffer[self.state_rows[kept]]  # (decode row = slot)
         window_tokens[slots, 0] = self.token[kept]
-        return kept
+        for out, lane_values in zip(self.settled, (self.loops, self.remaining, self.exit_at,
+                                                   self.ready), strict=True):  # fmt: skip
+            out[:n] = lane_values[kept]
 
     def idle(self, rows: int) -> SamplingTensors:
         """The first `rows` rows idle (stopped: they run no loop and take no token), with greedy
