@@ -107,6 +107,20 @@ def test_lanes_compute_what_plain_decoding_computes(mode, k, draft_loops):
     assert stats["spec_acceptance_rate"] > 0.3 and stats["spec_mean_accepted_length"] > 1
 
 
+def test_warm_up_changes_no_result():
+    """The runner's start-up warm-up (on CUDA it captures every function of plain runs and runs
+    with lanes, `settle` included, over idle rows; here it runs them eagerly) leaves nothing
+    that changes what the requests after it get."""
+    jobs = _jobs(4)
+    eng = make_engine(default_model_dir(), max_num_seqs=6, num_speculative_tokens=3)
+    eng.runner.runs.warm_up("ouro", 1, 8)
+    eng.eos_token_ids = (7, 11)
+    lanes = _lanes_runs(eng)
+    got = _run(eng, jobs)
+    assert kv_all_free(eng) and lanes[0] > 0
+    _assert_same(eng, jobs, got, _plain("ouro", jobs, max_num_seqs=6), exact=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_lanes_on_gpu(backend):

@@ -140,7 +140,9 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         runs = DeviceRunner(model, kv_cache, states, windows, run_state, loop_planes, tile_rows,
                             longest, capture=bool(specs))  # fmt: skip
         if specs:  # captured now: a first use mid-serving would stall every row
-            runs.warm_up(config.exit.exit_mode, config.speculative.speculative_draft_loops)
+            spec = config.speculative
+            runs.warm_up(config.exit.exit_mode, spec.speculative_draft_loops,
+                         spec.speculative_max_decode_rows)  # fmt: skip
     runner = ModelRunner(model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs)
     handoff = KVHandoff(scheduler, kv_manager, kv_cache)
     return EngineParts(model_dir, loaded, kv_manager, scheduler, runner, handoff, max_model_len)

@@ -120,10 +120,8 @@ class DeviceRunner:
         final = (s.loops[:r], s.remaining[:r], s.exit_at[:r], s.ready[:r])
         indices = counts = None
         if lanes > 1:
-            m = len(mirrors)
-            buffer, tokens = self.states.buffer, self.windows.tokens
-            self._call(("settle", m, lanes), lambda: s.settle(m, lanes, buffer, tokens))
-            final = tuple(x[:m] for x in s.settled)
+            self._settle(len(mirrors), lanes)
+            final = tuple(x[: len(mirrors)] for x in s.settled)
             indices, counts = s.indices[:phases, :r], s.counts[:, :r:lanes]
         copied = read_back(
             s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r], indices,
@@ -136,11 +134,12 @@ class DeviceRunner:
         (idle rows fill the rest), so that a few shapes, captured at startup, serve every run."""
         return next(b for b in self.buckets if b >= rows)
 
-    def warm_up(self, exit_mode: str, draft_loops: int = 0) -> None:
+    def warm_up(self, exit_mode: str, draft_loops: int = 0, lane_rows: int = 0) -> None:
         """Compile and capture the step (of `exit_mode`) and the greedy sample function of
         every bucket over idle rows, so that no run waits for either mid-serving; with lanes
         (the state's `max_lanes` > 1), those of runs with lanes too (drafting after
-        `draft_loops` loops)."""
+        `draft_loops` loops), and `settle` for runs of up to `lane_rows` rows (it writes slot
+        0's newest token, which no request holds yet)."""
         lanes = self.state.max_lanes
         variants = [DecodeRun(exit_mode, (), ())]
         if lanes > 1:
@@ -152,6 +151,10 @@ class DeviceRunner:
                 idle = RunRows(self, rows, exit_mode, self._static_metadata(rows), run.lanes)
                 key = ("step", rows, exit_mode, run.lanes > 1)
                 self._call(key, lambda: self._step(idle))  # noqa: B023
+        if lanes > 1:
+            self.state.idle(self.buckets[-1] * lanes)
+            for n in range(1, min(lane_rows, self.buckets[-1]) + 1):
+                self._settle(n, lanes)
 
     def _call(self, key: tuple, fn: Callable[[], None]) -> None:
         """Run `fn` (in place over the state buffers): eagerly the first time, which compiles
@@ -170,6 +173,11 @@ class DeviceRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             fn()
         self._graphs[key] = graph
+
+    def _settle(self, n: int, lanes: int) -> None:
+        """`RunState.settle` after a run with lanes of `n` rows, through its graph."""
+        buffer, tokens = self.states.buffer, self.windows.tokens
+        self._call(("settle", n, lanes), lambda: self.state.settle(n, lanes, buffer, tokens))
 
     def _sample(self, r: int, tensors: SamplingTensors, run: DecodeRun | None = None) -> None:
         """A sample phase of the first `r` rows (of `run`: its lanes), through its graph."""
