@@ -117,15 +117,14 @@ class DeviceRunner:
                     self._call(key, lambda: self._step(rows))
         s = self.state
         phases = sum(run.sample_at)
-        final = (s.loops[:r], s.remaining[:r], s.exit_at[:r], s.ready[:r])
         indices = counts = None
         if lanes > 1:
             self._settle(len(mirrors), lanes)
-            final = tuple(x[: len(mirrors)] for x in s.settled)
             indices, counts = s.indices[:phases, :r], s.counts[:, :r:lanes]
         copied = read_back(
             s.tokens[:phases, :r], s.sampled[:phases, :r], s.depths[:phases, :r], indices,
-            *s.logprob_views(tensors.num_logprobs, phases, r), *final, counts,
+            *s.logprob_views(tensors.num_logprobs, phases, r),
+            *s.finals(len(mirrors), lanes), counts,
         )  # fmt: skip
         return lambda: _results(copied(), [p.num_logprobs for p in params], lanes)
 
@@ -152,7 +151,7 @@ class DeviceRunner:
                 key = ("step", rows, exit_mode, run.lanes > 1)
                 self._call(key, lambda: self._step(idle))  # noqa: B023
         if lanes > 1:
-            self.state.idle(self.buckets[-1] * lanes)
+            self.state.idle(self.buckets[-1] * lanes)  # (whatever the loop above left)
             for n in range(1, min(lane_rows, self.buckets[-1]) + 1):
                 self._settle(n, lanes)
 

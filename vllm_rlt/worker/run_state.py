@@ -171,9 +171,16 @@ class RunState:
         slots = self.slots[kept]
         buffer[slots] = buffer[self.state_rows[kept]]  # (decode row = slot)
         window_tokens[slots, 0] = self.token[kept]
-        for out, lane_values in zip(self.settled, (self.loops, self.remaining, self.exit_at,
-                                                   self.ready), strict=True):  # fmt: skip
+        for out, lane_values in zip(self.settled, self.finals(r), strict=True):
             out[:n] = lane_values[kept]
+
+    def finals(self, rows: int, lanes: int = 1) -> tuple[torch.Tensor, ...]:
+        """Each of a run's first `rows` rows' final loops, remaining, exit loop and ready flag,
+        as the read-back copies them: with lanes, those `settle` took from each row's oldest
+        lane (without, a row is its run row)."""
+        if lanes > 1:
+            return tuple(x[:rows] for x in self.settled)
+        return self.loops[:rows], self.remaining[:rows], self.exit_at[:rows], self.ready[:rows]
 
     def idle(self, rows: int) -> SamplingTensors:
         """The first `rows` rows idle (stopped: they run no loop and take no token), with greedy
