@@ -12,9 +12,10 @@ atomic-alone at one depth (and for the logits); with batch_invariant every one m
     python -m benchmarks.probes.invariance --generation 303 2000 --out generation.json
 
 Generation instead, with batch_invariant and CUDA graphs: 16 prompts of each length, 16 greedy
-tokens, 8 requests at once in atomic / split / WCPB against one at a time; per mode the requests
-whose tokens are identical, and for the others the first row (position, depth, prompt or decode)
-whose state differs. The recorder sees every row through `ModelRunner.observer`.
+tokens (`--max-tokens`; `--exit-threshold` for gate exits), 8 requests at once in atomic / split /
+WCPB against one at a time; per mode the requests whose tokens are identical, and for the others
+the first row (position, depth, prompt or decode) whose state differs. The recorder sees every
+row through `ModelRunner.observer`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ MODES = {
 
 class StateRecorder:
     """Records the output state of every (request, position, depth) row the runner computes,
-    eager or replayed from a CUDA graph (through `ModelRunner.observer`)."""
+    eager or replayed from a CUDA graph (through `ModelRunner.observer`), except the rows of
+    device runs (decode rows whose depth per invocation the device decides)."""
 
     def __init__(self, eng: LLMEngine):
         self.states: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -52,10 +54,15 @@ class StateRecorder:
 
         def recording_invoke(batch, i, *args):
             live = batch.live(i, self.num_loops)
+            # a device run's rows ride at the head, padded to its row count, at depths only the
+            # device knows: not recorded; the other rows follow them
+            run = args[0] if args else None
+            riders = len(batch.decode_run.rows) if run is not None else 0
+            first = run.num_rows if run is not None else 0
 
             def observe(out, gate):
-                out, row = out.clone(), 0  # a graph's outputs: overwritten by its next replay
-                for t, depth in live:
+                out, row = out.clone(), first  # a graph's outputs: overwritten by its next replay
+                for t, depth in live[riders:]:
                     for j in range(t.num_tokens):
                         self.states[(t.request_id, t.token_start + j, depth)] = out[row + j]
                     row += t.num_tokens
@@ -127,15 +134,18 @@ def gpu_case() -> tuple[list[int], list[int], dict]:
     return prompt, other, settings
 
 
-def generate(model_dir, prompts, mode, concurrency, max_tokens, **kw):
+def generate(model_dir, prompts, mode, concurrency, max_tokens, threshold=None, **kw):
     """(tokens per request, the recorder) of greedy generation of `prompts` in `mode`, at most
-    `concurrency` at once (CUDA graphs as configured)."""
+    `concurrency` at once (CUDA graphs as configured), at exit threshold `threshold` (None: the
+    model's)."""
     eng = LLMEngine(EngineConfig.from_kwargs(
         model=str(model_dir), load_format="dummy", batch_invariant=True,
         max_num_seqs=concurrency, **MODES[mode], **kw,
     ))  # fmt: skip
     rec = StateRecorder(eng)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, exit_threshold=threshold
+    )
     for i, prompt in enumerate(prompts):
         eng.add_request(f"r{i}", prompt, params)
     tokens = {}
@@ -170,14 +180,16 @@ def first_difference(rec, base, req_id: str, num_prompt: int) -> dict | None:
     }
 
 
-def generation_diagnostic(model_dir, prompts, concurrency: int, max_tokens: int, **kw) -> dict:
+def generation_diagnostic(
+    model_dir, prompts, concurrency: int, max_tokens: int, threshold=None, **kw
+) -> dict:
     """Greedy generation with `batch_invariant`, `concurrency` requests at once in each mode
     against one at a time (atomic): identical requests, and where each differing request's rows
     first differ."""
-    base_tokens, base = generate(model_dir, prompts, "atomic", 1, max_tokens, **kw)
+    base_tokens, base = generate(model_dir, prompts, "atomic", 1, max_tokens, threshold, **kw)
     report = {}
     for mode in MODES:
-        tokens, rec = generate(model_dir, prompts, mode, concurrency, max_tokens, **kw)
+        tokens, rec = generate(model_dir, prompts, mode, concurrency, max_tokens, threshold, **kw)
         ids = [f"r{i}" for i in range(len(prompts))]
         same = [r for r in ids if tokens[r] == base_tokens[r]]
         report[mode] = {
@@ -195,13 +207,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--generation", type=int, nargs="*", metavar="LEN",
                    help="instead: greedy generation of 16 prompts of each length (8 at once "
-                   "against one at a time, 16 tokens) with batch_invariant")  # fmt: skip
+                   "against one at a time) with batch_invariant")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=16, help="generation: tokens per request")
+    p.add_argument("--exit-threshold", type=float, default=None,
+                   help="generation: the requests' exit threshold (default: the shape's, 1.0: "
+                   "fixed depth)")  # fmt: skip
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape("ouro-1.4b", Path(tmp) / "ouro")
         prompt, other, settings = gpu_case()
         if args.generation:
-            return _report_generation(model_dir, args.generation, settings, args.out)
+            return _report_generation(model_dir, args, settings)
         report = {
             "batch_invariant": diagnostic(model_dir, True, prompt, other, **settings),
             "default": diagnostic(model_dir, False, prompt, other, **settings),
@@ -215,20 +231,22 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _report_generation(model_dir, lengths, settings, out: Path | None) -> dict:
+def _report_generation(model_dir, args, settings) -> dict:
     report = {}
-    for length in lengths:
+    for length in args.generation:
         rng = random.Random(length)
         prompts = [rng.choices(range(1000, 40000), k=length) for _ in range(16)]
         # 8 requests of up to 2,016 positions x 4 planes
         kw = {**settings, "kv_cache_memory_gb": 16.0}
-        report[str(length)] = generation_diagnostic(model_dir, prompts, 8, 16, **kw)
+        report[str(length)] = generation_diagnostic(
+            model_dir, prompts, 8, args.max_tokens, args.exit_threshold, **kw
+        )
         for mode, r in report[str(length)].items():
             firsts = [f for f in r["first_differences"].values() if f]
             print(f"{length} tokens, {mode}: {r['identical_requests']}/{r['requests']} identical;"
                   f" first differing rows: {firsts[:4]}")  # fmt: skip
-    if out:
-        out.write_text(json.dumps(report, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -66,6 +66,21 @@ def test_a_row_is_the_same_bits_in_every_invocation(device, dtype, length, heads
             assert torch.equal(tile[offset], alone[0]), (p, offset)
 
 
+@pytest.mark.parametrize("device,dtype,length,heads", CASES)
+def test_every_position_alone_equals_its_row_of_the_chunked_prompt(device, dtype, length, heads):
+    """Every position of a request as a row alone (the last KV step of a context that ends on a
+    step boundary needs no mask) and as its row of the request's prompt in 64-row chunk tiles
+    (the chunk's own keys are a masked step): the same bits at every position, so a row's
+    result does not depend on where its tile starts."""
+    if device == "cpu":  # the interpreter: two chunk boundaries are enough
+        length = 2 * INVARIANT_TILE_ROWS + 2
+    s = _Setup(device, dtype, length, heads, num_requests=1)
+    alone = torch.cat(s.run([(0, p, 1) for p in range(length)]))
+    step = INVARIANT_TILE_ROWS
+    chunks = [(0, start, min(step, length - start)) for start in range(0, length, step)]
+    assert torch.equal(torch.cat(s.run(chunks)), alone)
+
+
 def test_invariant_launch_refuses_taller_tiles():
     s = _Setup("cpu", torch.float32, 200, (2, 2, 16), num_requests=1)
     meta = build_attention_metadata([0], [130], [s.tables[0]], BLOCK, "cpu", 128)

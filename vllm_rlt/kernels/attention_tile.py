@@ -159,6 +159,7 @@ def attend_tile(
     ACC: tl.constexpr,
     F64: tl.constexpr,
     KV_FP8: tl.constexpr,
+    MASK_ALL: tl.constexpr,
 ):
     """One tile (of `nrows` > 0 rows) for one KV head and one KV split."""
     kv_head = tl.program_id(1)
@@ -191,8 +192,13 @@ def attend_tile(
             tl.store(split_len_ptr + row, split_len, mask=valid & (g == 0))
         kv_end = tl.minimum(context, kv_start + split_len)
         # Keys below pos0 + 1 are visible to every row of the tile: no mask needed there.
-        num_full = tl.maximum(tl.minimum(kv_end, pos0 + 1) - kv_start, 0) // BLOCK_N
-        full_end = kv_start + num_full * BLOCK_N
+        # MASK_ALL (batch-invariant launches): every step masked, since the two step variants
+        # (compiled separately) do not always round alike, and where a row's steps switch from
+        # one to the other follows its tile's first row
+        full_end = kv_start
+        if not MASK_ALL:
+            num_full = tl.maximum(tl.minimum(kv_end, pos0 + 1) - kv_start, 0) // BLOCK_N
+            full_end += num_full * BLOCK_N
         bt_ptr = block_tables_ptr + seg.to(tl.int64) * stride_bt
         kv_head_off = kv_head * stride_kv_head
 

@@ -73,9 +73,10 @@ CHUNK_CONFIG_LARGE_M = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
 # memory and compile time small (block_n 128 at 64 rows x 128 dims compiles for ~35 s).
 FP32_BLOCK_N = 32
 # Batch-invariant launches (`invariant=True`): every tile, a decode row's one-row tile too, runs
-# in one row block of this many rows (x GQA group) with one config and no KV split, so a row's
-# online softmax visits the same KV steps in the same order, on the same dot shapes, whatever
-# tile holds it (keys past a row's position add exact zeros).
+# in one row block of this many rows (x GQA group) with one config, no KV split and every KV
+# step masked, so a row's online softmax visits the same KV steps in the same order, on the same
+# dot shapes and the same code, whatever tile holds it (keys past a row's position add exact
+# zeros).
 INVARIANT_TILE_ROWS = 64
 INVARIANT_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2)
 
@@ -135,6 +136,7 @@ def _paged_attention_kernel(
     USE_DOT_ONE: tl.constexpr,
     BALANCE_ROWS: tl.constexpr,
     KV_FP8: tl.constexpr,
+    MASK_ALL: tl.constexpr,
 ):
     """One program per (tile, KV head, split). BOTH: the grid holds both classes, the first
     `num_one` tiles one-row (row block BLOCK_MG_ONE, KV step BLOCK_N_ONE), the rest multi-row,
@@ -165,11 +167,13 @@ def _paged_attention_kernel(
             attend_tile(
                 *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG_ONE, HEAD_DIM, HEAD_PAD, BLOCK_N_ONE,
                 BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT_ONE, UPCAST, PRECISION, ACC, F64, KV_FP8,
+                MASK_ALL,
             )  # fmt: skip
         else:
             attend_tile(
                 *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG, HEAD_DIM, HEAD_PAD, BLOCK_N,
                 BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
+                MASK_ALL,
             )  # fmt: skip
 
 
@@ -367,6 +371,7 @@ def paged_attention(
         GDC=pdl(q.device),
         BALANCE_ROWS=triton.next_power_of_2(num_rows) if balance_pieces and num_splits > 1 else 0,
         KV_FP8=cache.fp8,
+        MASK_ALL=invariant,
     )
     args = (common, group, num_kv_heads, num_splits, constexprs)
     tiles = meta.tile_order
