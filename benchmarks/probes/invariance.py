@@ -11,10 +11,11 @@ atomic-alone at one depth (and for the logits); with batch_invariant every one m
 
     python -m benchmarks.probes.invariance --generation 303 2000 --out generation.json
 
-Generation instead, with batch_invariant and CUDA graphs: 16 prompts of each length, 16 greedy
-tokens (`--max-tokens`; `--exit-threshold` for gate exits), 8 requests at once in atomic / split /
-WCPB against one at a time; per mode the requests whose tokens are identical, and for the others
-the first row (position, depth, prompt or decode) whose state differs. The recorder sees every
+Generation instead, with batch_invariant and CUDA graphs: 16 prompts of each length (`--prompts`),
+16 greedy tokens (`--max-tokens`; `--exit-threshold` for gate exits), 8 requests at once in
+atomic / split / WCPB (`--shape huginn-0125`: atomic and split) against one at a time; per mode
+the requests whose tokens are identical, and for the others the first row (position, depth,
+prompt or decode) whose state differs. The recorder sees every
 row through `ModelRunner.observer`.
 """
 
@@ -143,10 +144,10 @@ def generate(model_dir, prompts, mode, concurrency, max_tokens, threshold=None, 
         max_num_seqs=concurrency, **MODES[mode], **kw,
     ))  # fmt: skip
     rec = StateRecorder(eng)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, exit_threshold=threshold
-    )
     for i, prompt in enumerate(prompts):
+        # the seed: Huginn's initial state (the same in every mode)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                exit_threshold=threshold, seed=i)  # fmt: skip
         eng.add_request(f"r{i}", prompt, params)
     tokens = {}
     while eng.has_unfinished_requests():
@@ -181,14 +182,14 @@ def first_difference(rec, base, req_id: str, num_prompt: int) -> dict | None:
 
 
 def generation_diagnostic(
-    model_dir, prompts, concurrency: int, max_tokens: int, threshold=None, **kw
+    model_dir, prompts, concurrency: int, max_tokens: int, threshold=None, modes=tuple(MODES), **kw
 ) -> dict:
-    """Greedy generation with `batch_invariant`, `concurrency` requests at once in each mode
-    against one at a time (atomic): identical requests, and where each differing request's rows
-    first differ."""
+    """Greedy generation with `batch_invariant`, `concurrency` requests at once in each of
+    `modes` against one at a time (atomic): identical requests, and where each differing
+    request's rows first differ."""
     base_tokens, base = generate(model_dir, prompts, "atomic", 1, max_tokens, threshold, **kw)
     report = {}
-    for mode in MODES:
+    for mode in modes:
         tokens, rec = generate(model_dir, prompts, mode, concurrency, max_tokens, threshold, **kw)
         ids = [f"r{i}" for i in range(len(prompts))]
         same = [r for r in ids if tokens[r] == base_tokens[r]]
@@ -206,15 +207,19 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--generation", type=int, nargs="*", metavar="LEN",
-                   help="instead: greedy generation of 16 prompts of each length (8 at once "
+                   help="instead: greedy generation of prompts of each length (8 at once "
                    "against one at a time) with batch_invariant")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=16, help="generation: tokens per request")
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="generation: the requests' exit threshold (default: the shape's, 1.0: "
                    "fixed depth)")  # fmt: skip
+    p.add_argument("--shape", default="ouro-1.4b", choices=["ouro-1.4b", "huginn-0125"],
+                   help="generation: the model shape (Huginn: atomic and split modes, whose "
+                   "prefill is atomic)")  # fmt: skip
+    p.add_argument("--prompts", type=int, default=16, help="generation: prompts per length")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_shape("ouro-1.4b", Path(tmp) / "ouro")
+        model_dir = write_shape(args.shape, Path(tmp) / "model")
         prompt, other, settings = gpu_case()
         if args.generation:
             return _report_generation(model_dir, args, settings)
@@ -235,11 +240,12 @@ def _report_generation(model_dir, args, settings) -> dict:
     report = {}
     for length in args.generation:
         rng = random.Random(length)
-        prompts = [rng.choices(range(1000, 40000), k=length) for _ in range(16)]
+        prompts = [rng.choices(range(1000, 40000), k=length) for _ in range(args.prompts)]
         # 8 requests of up to 2,016 positions x 4 planes
         kw = {**settings, "kv_cache_memory_gb": 16.0}
+        modes = ("atomic", "split") if args.shape.startswith("huginn") else tuple(MODES)
         report[str(length)] = generation_diagnostic(
-            model_dir, prompts, 8, args.max_tokens, args.exit_threshold, **kw
+            model_dir, prompts, 8, args.max_tokens, args.exit_threshold, modes, **kw
         )
         for mode, r in report[str(length)].items():
             firsts = [f for f in r["first_differences"].values() if f]

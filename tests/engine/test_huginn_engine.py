@@ -8,8 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from tests.engine.harness import Job, kv_all_free, make_engine, run_batched
+from benchmarks.probes.invariance import StateRecorder
+from tests.engine.harness import Job, kv_all_free, make_engine, run_batched, run_serial
 from tests.helpers import write_tiny_huginn
 from tests.worker.test_cuda_graph import _force_static
 from vllm_rlt.config import ConfigError
@@ -146,7 +148,6 @@ def test_seeded_initial_state(model_dir):
         (dict(kv_layout="shared"), "kv_layout='shared' cannot run with HuginnForCausalLM"),
         (dict(max_prefill_stall_loops=2), "split prefill batches of HuginnForCausalLM"),
         (dict(exit_threshold=0.5), "needs an exit gate"),
-        (dict(batch_invariant=True, backend="auto"), "batch_invariant is not available for Huginn"),
     ],
 )
 def test_startup_refuses_what_huginn_cannot_run(model_dir, kw, match):
@@ -191,3 +192,41 @@ def test_greedy_with_the_triton_backend_under_the_interpreter(model_dir):
 def test_stop_ids_come_from_the_generation_config(model_dir):
     eng = make_engine(model_dir)
     assert eng.eos_token_ids == (1, 4)  # <|end_text|>, <|end_turn|>
+
+
+def _recorded(model_dir, jobs, serial: bool, **kw) -> tuple[dict, dict]:
+    """Tokens of `jobs` one at a time or up to 8 at once, and every state row the runner
+    computed (request, position, recurrence)."""
+    eng = make_engine(model_dir, max_num_seqs=1 if serial else 8, **kw)
+    rec = StateRecorder(eng)
+    tokens = run_serial(eng, jobs) if serial else run_batched(eng, jobs)
+    assert kv_all_free(eng)
+    return tokens, rec.states
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)],
+)
+def test_batch_invariant_rows_are_the_same_bits_batched_as_alone(model_dir, device, dtype):
+    """batch_invariant: every state row (prompt and decode, every recurrence) is the same bits
+    with up to 8 requests at once, mixed scheduling and chunked prompts, as one request at a
+    time, and so are the tokens. On the CPU the torch path's rows differ there (so the check
+    can fail)."""
+    greedy = dict(temperature=0.0, ignore_eos=True, init_scale=0.0)
+    jobs = [
+        Job("a", list(range(3, 12)), SamplingParams(max_tokens=2, max_loops=2, **greedy)),
+        Job("b", list(range(40, 46)), SamplingParams(max_tokens=2, max_loops=3, **greedy), 1),
+        Job("c", list(range(70, 75)), SamplingParams(max_tokens=1, max_loops=2, **greedy), 1),
+    ]
+    kw = dict(device=device, dtype=dtype, scheduling_mode="mixed", prefill_chunk_size=4)
+    invariant = dict(kw, backend="triton", batch_invariant=True)
+    tokens, alone = _recorded(model_dir, jobs, True, **invariant)
+    batched_tokens, batched = _recorded(model_dir, jobs, False, **invariant)
+    assert batched_tokens == tokens
+    assert batched.keys() == alone.keys()
+    assert all(torch.equal(batched[k], alone[k]) for k in alone)
+    if device == "cpu":
+        torch_alone = _recorded(model_dir, jobs, True, **kw)[1]
+        torch_batched = _recorded(model_dir, jobs, False, **kw)[1]
+        assert any(not torch.equal(torch_batched[k], torch_alone[k]) for k in torch_alone)

@@ -32,6 +32,7 @@ from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.config import ConfigError, check_layer_kernels
 from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.huginn_config import HuginnConfig
+from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
 from vllm_rlt.models.layers import RMSNorm
 from vllm_rlt.tensor_utils import acc_dtype, counter_uniform
 
@@ -89,13 +90,15 @@ class HuginnAttention(nn.Module):
         rope: torch.Tensor,
         meta: AttentionMetadata,
         cache: KVLayer,
+        kernels: LayerKernels,
     ) -> torch.Tensor:
         """x: [R, E] normed block input; rope: [R, 1, d/2, 2] this invocation's table rows."""
-        q, k, v = self.Wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        qkv = kernels.linear(x, self.Wqkv.weight)
+        q, k, v = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
         q = rotate_interleaved(q + self.qk_bias[0], rope)
         k = rotate_interleaved(k + self.qk_bias[1], rope)
         out = self.backend.forward(q, k, v.contiguous(), cache, meta)
-        return self.proj(out.reshape(x.shape[0], -1))
+        return kernels.linear(out.reshape(x.shape[0], -1), self.proj.weight)
 
 
 class HuginnMLP(nn.Module):
@@ -106,9 +109,9 @@ class HuginnMLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 2 * config.intermediate_size, bias=False)
         self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc(x).chunk(2, dim=-1)
-        return self.proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: LayerKernels) -> torch.Tensor:
+        gate, up = kernels.linear(x, self.fc.weight).chunk(2, dim=-1)
+        return kernels.linear(nn.functional.silu(gate) * up, self.proj.weight)
 
 
 class HuginnBlock(nn.Module):
@@ -122,9 +125,10 @@ class HuginnBlock(nn.Module):
         self.attn = HuginnAttention(config, backend)
         self.mlp = HuginnMLP(config)
 
-    def forward(self, x, rope, meta, kv_layer: KVLayer):
-        x = self.norm_2(self.attn(self.norm_1(x), rope, meta, kv_layer) + x)
-        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+    def forward(self, x, rope, meta, kv_layer: KVLayer, kernels: LayerKernels):
+        attn = self.attn(kernels.norm(x, self.norm_1), rope, meta, kv_layer, kernels)
+        x = kernels.norm(attn + x, self.norm_2)
+        return kernels.norm(self.mlp(kernels.norm(x, self.norm_3), kernels) + x, self.norm_4)
 
 
 class HuginnTransformer(nn.Module):
@@ -161,15 +165,14 @@ class HuginnForCausalLM(nn.Module):
     ):
         check_layer_kernels(layer_kernels)
         super().__init__()
-        if layer_kernels == "invariant":
-            raise ConfigError("batch_invariant is not available for Huginn: its layers run with "
-                              "torch ops, whose GEMMs depend on the number of rows")  # fmt: skip
-        if layer_kernels not in ("auto", "torch"):
+        if layer_kernels not in ("auto", "torch", "invariant"):
             raise ConfigError(
-                f"layer_kernels={layer_kernels!r}: Huginn runs its layers with torch ops; "
-                "use layer_kernels='auto' or 'torch'"
+                f"layer_kernels={layer_kernels!r}: Huginn runs its layers with torch ops, or "
+                "batch_invariant's kernels; use layer_kernels='auto', 'torch' or 'invariant'"
             )
-        self.layer_kernels = "torch"
+        # invariant (batch_invariant): projections and the LM head on the invariant GEMM, norms
+        # one row per program; the rest is element-wise (docs/design/runner.md §6)
+        self.layer_kernels = "invariant" if layer_kernels == "invariant" else "torch"
         backend = get_attention_backend(attention_backend)
         self.config = config
         self.transformer = HuginnTransformer(config, backend)
@@ -242,13 +245,13 @@ class HuginnForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """token_ids, seeds: [R] int64; init_scales: [R] fp32; edge_metas[k]: the rows in edge
         plane k -> state rows [s0 | e] [R, 2E]."""
-        t = self.transformer
+        t, kernels = self.transformer, self._kernels(token_ids.device)
         positions = edge_metas[0].positions
         rope = self.rope[positions].unsqueeze(1)
         e = t.wte(token_ids) * self.config.embed_scale
         for i, block in enumerate(t.prelude):
             meta, layer = self._edge(i, edge_metas, kv)
-            e = block(e, rope, meta, layer)
+            e = block(e, rope, meta, layer, kernels)
         s0 = like_init_noise(seeds, positions, init_scales, self.config).to(e.dtype)
         return torch.cat([s0, e], -1)
 
@@ -256,11 +259,11 @@ class HuginnForCausalLM(nn.Module):
         self, hidden: torch.Tensor, attn_metadata: AttentionMetadata, kv: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One recurrence for every row: [s | e] [R, 2E] -> ([s' | e] [R, 2E], zeros [R] fp32)."""
-        t = self.transformer
+        t, kernels = self.transformer, self._kernels(hidden.device)
         rope = self.rope[attn_metadata.positions].unsqueeze(1)
-        x = t.adapter(hidden)
+        x = kernels.linear(hidden, t.adapter.weight)
         for j, block in enumerate(t.core_block):
-            x = block(x, rope, attn_metadata, kv.layer(j))
+            x = block(x, rope, attn_metadata, kv.layer(j), kernels)
         gate = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         return torch.cat([x, hidden[:, self.config.n_embd :]], -1), gate
 
@@ -269,14 +272,18 @@ class HuginnForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """State rows [R, 2E] after their last recurrence -> coda output [R, E]; writes the
         coda's K/V of their positions."""
-        t = self.transformer
+        t, kernels = self.transformer, self._kernels(hidden.device)
         rope = self.rope[edge_metas[0].positions].unsqueeze(1)
-        z = t.ln_f(hidden[:, : self.config.n_embd])
+        z = kernels.norm(hidden[:, : self.config.n_embd], t.ln_f)
         for c, block in enumerate(t.coda):
             meta, layer = self._edge(len(t.prelude) + c, edge_metas, kv)
-            z = block(z, rope, meta, layer)
+            z = block(z, rope, meta, layer, kernels)
         return z
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """Coda output [R, E] -> logits [R, V] (in the model dtype)."""
-        return self.lm_head(self.transformer.ln_f(hidden))
+        kernels = self._kernels(hidden.device)
+        return kernels.logits(kernels.norm(hidden, self.transformer.ln_f), self.lm_head.weight)
+
+    def _kernels(self, device: torch.device) -> LayerKernels:
+        return get_layer_kernels(self.layer_kernels, device)

@@ -1,6 +1,7 @@
 """How a decoder layer's pieces run: plain torch ops, or fused projections and Triton kernels.
 
-A model calls four operations per layer through one of these strategies:
+A model calls these operations through one of these strategies (Ouro all of them; Huginn, whose
+layers differ, `norm`, `linear` and `logits`):
 
 - `norm(x, norm)`: an RMSNorm;
 - `add_norm(h, y, norm_a, norm_b)`: the sandwich residual step `h + norm_a(y)` and the norm after
@@ -12,7 +13,8 @@ A model calls four operations per layer through one of these strategies:
 - `out_proj(attn, x)`: attention's output projection;
 - `exit_gate(x, gate)`: the early-exit gate's logit of each end-of-loop row, in fp32 (fp64 for
   an fp64 model);
-- `logits(x, weight)`: the LM head.
+- `logits(x, weight)`: the LM head;
+- `linear(x, weight)`: a projection without bias.
 
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
@@ -81,6 +83,10 @@ class LayerKernels(Protocol):
         """x: [R, H] final hidden -> x @ weight.T [R, V], the LM head."""
         ...
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x: [R, K] -> x @ weight.T [R, N]: a projection without bias (Huginn's layers)."""
+        ...
+
 
 class TorchLayerKernels:
     name = "torch"
@@ -111,6 +117,9 @@ class TorchLayerKernels:
         return logit.squeeze(-1)
 
     def logits(self, x, weight):
+        return nn.functional.linear(x, weight)
+
+    def linear(self, x, weight):
         return nn.functional.linear(x, weight)
 
 
