@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks.probes import invariance
 from tests.engine.harness import (
+    Job,
     kv_all_free,
     make_engine,
     random_jobs,
@@ -19,7 +20,9 @@ from tests.engine.harness import (
     run_serial,
 )
 from vllm_rlt.config import ConfigError, EngineConfig, ModelConfig
+from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.models.tiny import write_tiny_ouro
+from vllm_rlt.sampling_params import SamplingParams
 
 SCHEDULES = [
     {"scheduling_mode": "refill", "prefill_chunk_size": 7},
@@ -80,3 +83,71 @@ def test_gpu_bf16_every_schedule_equals_serial(model_dir, enforce_eager):
     _check_every_schedule_equals_serial(
         model_dir, "cuda", "bfloat16", jobs, SCHEDULES, enforce_eager=enforce_eager
     )
+
+
+def feature_jobs(seed: int, threshold: float, spacing: int) -> list[Job]:
+    """Greedy jobs arriving `spacing` steps apart, most of them behind one of two 12-token
+    system prompts (prefix-cache hits for blocks of 4 once an earlier one's prompt is cached)."""
+    rng = random.Random(seed)
+    systems = [rng.choices(range(256), k=12) for _ in range(2)]
+    jobs = []
+    for i in range(10):
+        prompt = (systems[i % 2] if i < 8 else []) + rng.choices(range(256), k=rng.randint(1, 20))
+        params = SamplingParams(max_tokens=rng.randint(4, 12), temperature=0.0,
+                                exit_threshold=threshold, ignore_eos=True)  # fmt: skip
+        jobs.append(Job(f"f{i}", prompt, params, spacing * i))
+    return jobs
+
+
+def _two_largest(jobs: list[Job]) -> int:
+    """KV blocks (of 4 positions, in each of the tiny model's 4 planes) for two of the largest
+    jobs at once: 8 at once must preempt."""
+    return 2 * 4 * -(-max(len(j.prompt) + j.params.max_tokens for j in jobs) // 4)
+
+
+# each feature on (against serial generation with it off): the jobs' arrival spacing, the
+# engine settings, and what shows that the feature ran
+FEATURES = {
+    "prefix_hits": (
+        3, lambda jobs: {"enable_prefix_caching": True}, lambda e: e.scheduler.prefix_hits > 0
+    ),
+    "preemption": (
+        0, lambda jobs: {"num_kv_blocks": _two_largest(jobs)},
+        lambda e: e.scheduler.num_preemptions > 0,
+    ),
+    "speculation": (  # prompts prefilled in few steps: most steps decode alone, with drafts
+        0, lambda jobs: {"num_speculative_tokens": 2, "max_num_batched_tokens": 64,
+                         "prefill_chunk_size": 32},
+        lambda e: e.stats_dict()["spec_draft_tokens"] > 0,
+    ),
+}  # fmt: skip
+
+
+def check_feature_equals_serial(model_dir, device, dtype, feature, threshold) -> None:
+    """batch_invariant: 8 requests at once with `feature` give the tokens and exit depths of
+    serial generation without it, exactly."""
+    spacing, settings, exercised = FEATURES[feature]
+    jobs = feature_jobs(len(feature), threshold, spacing)
+    # the engine's exit threshold too: speculation with the gate (lanes) needs the gate on
+    common = dict(
+        device=device, backend="triton", dtype=dtype, batch_invariant=True, exit_threshold=threshold
+    )
+    serial = make_engine(model_dir, max_num_seqs=1, enable_prefix_caching=False, **common)
+    want = run_serial(serial, jobs)
+    defaults = {"enable_prefix_caching": False, "scheduling_mode": "mixed",
+                "prefill_chunk_size": 5, "max_num_batched_tokens": 16}  # fmt: skip
+    engine = make_engine(model_dir, max_num_seqs=8, **common, **{**defaults, **settings(jobs)})
+    assert run_batched(engine, jobs) == want
+    assert exercised(engine), feature
+    assert kv_all_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threshold", [1.0, 0.5])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_gpu_bf16_prefix_hits_preemption_and_speculation_equal_serial(
+    model_dir, monkeypatch, feature, threshold
+):
+    # every window drafts (the random test model accepts few drafts)
+    monkeypatch.setattr(SpecPlanner, "acceptance", lambda self: 1.0)
+    check_feature_equals_serial(model_dir, "cuda", "bfloat16", feature, threshold)
