@@ -15,8 +15,8 @@ Generation instead, with batch_invariant and CUDA graphs: 16 prompts of each len
 16 greedy tokens (`--max-tokens`; `--exit-threshold` for gate exits), 8 requests at once in
 atomic / split / WCPB (`--shape huginn-0125`: atomic and split) against one at a time; per mode
 the requests whose tokens are identical, and for the others the first row (position, depth,
-prompt or decode) whose state differs. The recorder sees every
-row through `ModelRunner.observer`.
+prompt or decode) whose state differs. The recorder sees every row through
+`ModelRunner.observer`.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class StateRecorder:
 
         def recording_invoke(batch, i, *args):
             live = batch.live(i, self.num_loops)
-            # a device run's rows ride at the head, padded to its row count, at depths only the
-            # device knows: not recorded; the other rows follow them
+            # a device run's rows ride at the head (its `num_rows`, where the runner starts the
+            # others), at depths only the device knows: not recorded
             run = args[0] if args else None
             riders = len(batch.decode_run.rows) if run is not None else 0
             first = run.num_rows if run is not None else 0

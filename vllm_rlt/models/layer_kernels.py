@@ -116,11 +116,10 @@ class TorchLayerKernels:
         logit = nn.functional.linear(x.to(acc), gate.weight.to(acc), gate.bias.to(acc))
         return logit.squeeze(-1)
 
-    def logits(self, x, weight):
-        return nn.functional.linear(x, weight)
-
     def linear(self, x, weight):
         return nn.functional.linear(x, weight)
+
+    logits = linear
 
 
 class FusedLayerKernels:
@@ -203,8 +202,7 @@ class InvariantLayerKernels(FusedLayerKernels):
     def linear(self, x, weight):
         return self.gemm.invariant_linear(x, weight)
 
-    def logits(self, x, weight):
-        return self.gemm.invariant_linear(x, weight)
+    logits = linear
 
 
 _STRATEGIES = {
