@@ -87,8 +87,17 @@ def tiny_huginn_config(**overrides) -> HuginnConfig:
     return HuginnConfig.from_dict({**TINY_HUGINN, **overrides})
 
 
-def tiny_huginn(seed: int = 0, dtype=torch.float32, backend="torch", **overrides):
-    model = HuginnForCausalLM(tiny_huginn_config(**overrides), attention_backend=backend)
+def tiny_huginn(
+    seed: int = 0,
+    dtype=torch.float32,
+    backend="torch",
+    device: str = "cpu",
+    layer_kernels: str = "auto",
+    **overrides,
+):
+    with torch.device(device):
+        config = tiny_huginn_config(**overrides)
+        model = HuginnForCausalLM(config, attention_backend=backend, layer_kernels=layer_kernels)
     init_random_weights(model, seed)
     return model.to(dtype).eval().requires_grad_(False)
 

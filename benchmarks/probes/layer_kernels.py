@@ -21,6 +21,13 @@ reports:
 The weight floor is the bytes of the shared layers over the device-to-device copy bandwidth
 measured in the same run.
 
+With --ablate, each case also replays the skinny invocation with pieces taken out (`ablated_ms`,
+best of 5): `no_norms` (every norm and sandwich step returns its input), `no_attention` (the
+attention call returns q; the K/V write stays), `unsplit_attention` (one KV split, no combine)
+and `gemms_only` (no norms, no attention). The differences to `all` are what each piece adds to
+the invocation's GPU time with its neighbours overlapping it (early launch); the outputs of the
+ablated invocations mean nothing.
+
     python -m benchmarks.probes.layer_kernels --out layer-kernels.json
 """
 
@@ -40,9 +47,11 @@ import torch
 import triton
 
 from benchmarks.model_shapes import write_shape
+from vllm_rlt.attention import triton_backend
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.entrypoints.bench.metrics import device_time_by_name
 from vllm_rlt.kernels.kv_format import FP8, KVLayer
+from vllm_rlt.models import layer_kernels as strategies
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16
@@ -103,19 +112,23 @@ def profile_kernels(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
     return sum(n for *_, n in by_name), sum(us for _, us, _ in by_name) / 1e3, by_name
 
 
+def graph_ms(core, iters: int, repeats: int = 5) -> float:
+    """Best of `repeats` timings of `core` captured in a CUDA graph."""
+    for _ in range(3):
+        core()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        core()
+    return min(time_ms(graph.replay, iters) for _ in range(repeats))
+
+
 def measure(model, hidden, meta, kv, iters: int) -> dict:
     def core():
         return model.recurrent_core(hidden, meta, kv)
 
-    for _ in range(3):  # compile and warm up
-        core()
-    torch.cuda.synchronize()
+    graph = graph_ms(core, iters, repeats=1)  # compiles and warms up too
     eager = time_ms(core, iters)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        core()
-    graph_ms = time_ms(graph.replay, iters)
-    del graph
     count, kernel_ms, by_name = profile_kernels(core)
     layers = model.model.layers
     model.model.layers = layers[: len(layers) // 2]
@@ -125,13 +138,41 @@ def measure(model, hidden, meta, kv, iters: int) -> dict:
         model.model.layers = layers
     return {
         "eager_ms": eager,
-        "graph_ms": graph_ms,
+        "graph_ms": graph,
         "kernels": count,
         "kernel_ms": kernel_ms,
         "kernels_per_layer": (count - half_count) / (len(layers) - len(layers) // 2),
         "top_kernels": sorted(((n, c) for n, _, c in by_name), key=lambda x: -x[1])[:12],
         "kernel_us_by_name": by_name,
     }
+
+
+ABLATIONS = ("all", "no_norms", "no_attention", "unsplit_attention", "gemms_only")
+
+
+def ablated_ms(model, hidden, meta, kv, iters: int) -> dict[str, float]:
+    """The skinny invocation's graph time with pieces taken out (module docstring)."""
+    skinny, attention = strategies.SkinnyLayerKernels, triton_backend.paged_attention
+    norm, add_norm = skinny.norm, skinny.add_norm
+    times = {}
+    try:
+        for name in ABLATIONS:
+            if name in ("no_norms", "gemms_only"):
+                skinny.norm = lambda self, x, n: x
+                skinny.add_norm = lambda self, h, y, a, b: (h, y)
+            if name in ("no_attention", "gemms_only"):
+                triton_backend.paged_attention = lambda q, *args, **kw: q
+            if name == "unsplit_attention":
+                triton_backend.paged_attention = lambda *a, **kw: attention(
+                    *a, **{**kw, "num_splits": 1}
+                )
+            times[name] = graph_ms(lambda: model.recurrent_core(hidden, meta, kv), iters)
+            skinny.norm, skinny.add_norm = norm, add_norm
+            triton_backend.paged_attention = attention
+    finally:
+        skinny.norm, skinny.add_norm = norm, add_norm
+        triton_backend.paged_attention = attention
+    return times
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -155,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    parser.add_argument("--ablate", action="store_true", help="skinny without norms, attention")
     parser.add_argument("--out", type=Path, help="write the JSON results here")
     args = parser.parse_args(argv)
 
@@ -194,6 +236,10 @@ def main(argv: list[str] | None = None) -> dict:
                 case[path]["gate_rel_err_vs_torch"] = rel_err(g, g_torch)
         if {"torch", "fused"} <= outputs.keys():
             case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
+        if args.ablate:
+            model.layer_kernels = "skinny"
+            case["ablated_ms"] = ablated_ms(model, hidden, meta, kv, args.iters)
+            print(f"rows {rows:4d}: skinny ablated (ms) {case['ablated_ms']}", flush=True)
         if {"fused", "skinny"} <= outputs.keys():
             case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
         results.append(case)

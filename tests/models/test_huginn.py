@@ -2,7 +2,8 @@
 model runner (`PlanDriver`), against the dense reference: the state after every recurrence and
 the logits after the coda, whole prompts and chunked, with the zero initial state and with the
 seeded like-init noise; the config parser, the initial-state distribution and the loader's
-handling of the release's extra tensors. fp32 on CPU."""
+handling of the release's extra tensors. fp32 on CPU. The fused and skinny layer kernels
+against the torch path, on CPU (Triton interpreter) and, marked `gpu`, on CUDA."""
 
 from __future__ import annotations
 
@@ -33,6 +34,39 @@ def paged_prefill(model, ids, chunk, seed=0, init_scale=0.0):
     # the coda again for every position (it rewrites the same K/V) gives every position's logits
     logits = torch.cat([driver.logits("a", states[-1, p : p + 1], p) for p in range(len(ids))])
     return states[..., : model.config.n_embd], logits
+
+
+LAYER_CASES = [
+    pytest.param("cpu", torch.float32, id="cpu-fp32"),
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param("cuda", torch.float32, marks=pytest.mark.gpu, id="cuda-fp32"),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu, id="cuda-bf16"),
+]
+
+
+@pytest.mark.parametrize("kernels", ["fused", "skinny"])
+@pytest.mark.parametrize("device,dtype", LAYER_CASES)
+def test_layer_kernels_compute_what_the_torch_path_computes(device, dtype, kernels):
+    """Norms, the q/k step and the MLP's activation as Triton kernels, projections fused or on
+    the few-row GEMM (chunks of 5 rows), 2 recurrences: fp32 within 1e-5 of the torch path; bf16
+    no further from it than bf16 rounding itself puts the torch path from fp32 arithmetic (as
+    tests/models/test_layer_kernels.py)."""
+    backend = "triton" if device == "cuda" else "torch"
+    ids = random.Random(2).choices(range(96), k=13)
+
+    def run(dtype, kernels, to_fp32=False):
+        model = tiny_huginn(4, dtype, backend, device, kernels, mean_recurrence=2)
+        return paged_prefill(model.float() if to_fp32 else model, ids, 5)
+
+    (states, logits), (plain, plain_logits) = run(dtype, kernels), run(dtype, "torch")
+    if dtype == torch.float32:
+        assert rel_err(states, plain) < TOL and rel_err(logits, plain_logits) < TOL
+        return
+    exact, exact_logits = run(dtype, "torch", to_fp32=True)
+    budget = rel_err(plain, exact)
+    assert 1e-3 < budget < 0.1  # bf16 rounding is there, and modest
+    assert rel_err(states, plain) <= budget
+    assert rel_err(logits, plain_logits) <= rel_err(plain_logits, exact_logits)
 
 
 @pytest.mark.parametrize("loops", [1, 4, 8])

@@ -29,12 +29,12 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import ConfigError, check_layer_kernels
+from vllm_rlt.config import check_layer_kernels
 from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
 from vllm_rlt.models.layers import RMSNorm
-from vllm_rlt.tensor_utils import acc_dtype, counter_uniform
+from vllm_rlt.tensor_utils import counter_uniform
 
 # fp32 tolerance of a checkpoint's `freqs_cis` against the recomputed table (the angles reach
 # 4096 rad, where fp32 rounding of the angle alone is ~2e-4)
@@ -46,16 +46,6 @@ def rope_table(head_dim: int, num_positions: int, base: float) -> torch.Tensor:
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], -1)
-
-
-def rotate_interleaved(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x [R, heads, d] rotated by adjacent pairs (2i, 2i + 1) in fp32 (fp64 for fp64); table:
-    [R, 1, d/2, 2] fp32."""
-    acc = acc_dtype(x.dtype)
-    x32 = x.to(acc).unflatten(-1, (-1, 2))
-    x0, x1 = x32[..., 0], x32[..., 1]
-    cos, sin = table[..., 0].to(acc), table[..., 1].to(acc)
-    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(-2).to(x.dtype)
 
 
 def like_init_noise(
@@ -94,9 +84,7 @@ class HuginnAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [R, E] normed block input; rope: [R, 1, d/2, 2] this invocation's table rows."""
         qkv = kernels.linear(x, self.Wqkv.weight)
-        q, k, v = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        q = rotate_interleaved(q + self.qk_bias[0], rope)
-        k = rotate_interleaved(k + self.qk_bias[1], rope)
+        q, k, v = kernels.bias_rope(qkv, self.qk_bias, rope, self.num_heads, self.head_dim)
         out = self.backend.forward(q, k, v.contiguous(), cache, meta)
         return kernels.linear(out.reshape(x.shape[0], -1), self.proj.weight)
 
@@ -110,8 +98,7 @@ class HuginnMLP(nn.Module):
         self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, kernels: LayerKernels) -> torch.Tensor:
-        gate, up = kernels.linear(x, self.fc.weight).chunk(2, dim=-1)
-        return kernels.linear(nn.functional.silu(gate) * up, self.proj.weight)
+        return kernels.gated_mlp(x, self.fc.weight, self.proj.weight)
 
 
 class HuginnBlock(nn.Module):
@@ -165,14 +152,11 @@ class HuginnForCausalLM(nn.Module):
     ):
         check_layer_kernels(layer_kernels)
         super().__init__()
-        if layer_kernels not in ("auto", "torch", "invariant"):
-            raise ConfigError(
-                f"layer_kernels={layer_kernels!r}: Huginn runs its layers with torch ops, or "
-                "batch_invariant's kernels; use layer_kernels='auto', 'torch' or 'invariant'"
-            )
-        # invariant (batch_invariant): projections and the LM head on the invariant GEMM, norms
-        # one row per program; the rest is element-wise (docs/design/runner.md §6)
-        self.layer_kernels = "invariant" if layer_kernels == "invariant" else "torch"
+        # the blocks call the strategy's norm, linear and logits: skinny (the CUDA default) runs
+        # the norms as Triton kernels and projections of up to 16 rows on the few-row GEMM;
+        # invariant (batch_invariant) the projections and the LM head on the invariant GEMM;
+        # the rest is element-wise torch (docs/design/runner.md §4, §6)
+        self.layer_kernels = layer_kernels
         backend = get_attention_backend(attention_backend)
         self.config = config
         self.transformer = HuginnTransformer(config, backend)

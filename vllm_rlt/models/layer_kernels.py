@@ -1,7 +1,7 @@
 """How a decoder layer's pieces run: plain torch ops, or fused projections and Triton kernels.
 
-A model calls these operations through one of these strategies (Ouro all of them; Huginn, whose
-layers differ, `norm`, `linear` and `logits`):
+A model calls these operations through one of these strategies (Ouro those up to `logits`;
+Huginn, whose layers differ, `norm`, `linear`, `logits`, `bias_rope` and `gated_mlp`):
 
 - `norm(x, norm)`: an RMSNorm;
 - `add_norm(h, y, norm_a, norm_b)`: the sandwich residual step `h + norm_a(y)` and the norm after
@@ -14,7 +14,11 @@ layers differ, `norm`, `linear` and `logits`):
 - `exit_gate(x, gate)`: the early-exit gate's logit of each end-of-loop row, in fp32 (fp64 for
   an fp64 model);
 - `logits(x, weight)`: the LM head;
-- `linear(x, weight)`: a projection without bias.
+- `linear(x, weight)`: a projection without bias;
+- `bias_rope(qkv, qk_bias, table, heads, d)`: Huginn's q and k plus their bias, rotated by
+  adjacent pairs;
+- `gated_mlp(x, gate_up_weight, down_weight)`: a SwiGLU MLP from its fused [gate; up] weight
+  (Huginn's).
 
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
@@ -40,7 +44,7 @@ from torch import nn
 
 from vllm_rlt.config import check_layer_kernels
 from vllm_rlt.kernels.kv_format import KVLayer
-from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
+from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding, rotate_interleaved
 from vllm_rlt.tensor_utils import acc_dtype
 
 # where a layer's k and v go: (its caches, slots [R])
@@ -87,6 +91,24 @@ class LayerKernels(Protocol):
         """x: [R, K] -> x @ weight.T [R, N]: a projection without bias (Huginn's layers)."""
         ...
 
+    def bias_rope(
+        self,
+        qkv: torch.Tensor,
+        qk_bias: torch.Tensor,
+        table: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [R, 3 H d] (q | k | v) -> q, k, v [R, H, d]: q and k plus qk_bias [2, 1, H, d],
+        rotated by adjacent pairs (2i, 2i + 1) with the table [R, 1, d/2, 2] fp32."""
+        ...
+
+    def gated_mlp(
+        self, x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [R, H] -> silu(gate) * up @ down_weight.T with [gate | up] = x @ gate_up_weight.T."""
+        ...
+
 
 class TorchLayerKernels:
     name = "torch"
@@ -121,6 +143,15 @@ class TorchLayerKernels:
 
     logits = linear
 
+    def bias_rope(self, qkv, qk_bias, table, num_heads, head_dim):
+        q, k, v = qkv.view(qkv.shape[0], 3, num_heads, head_dim).unbind(1)
+        q, k = (rotate_interleaved(t + b, table) for t, b in ((q, qk_bias[0]), (k, qk_bias[1])))
+        return q, k, v
+
+    def gated_mlp(self, x, gate_up_weight, down_weight):
+        gate, up = self.linear(x, gate_up_weight).chunk(2, dim=-1)
+        return self.linear(nn.functional.silu(gate) * up, down_weight)
+
 
 class FusedLayerKernels:
     name = "fused"
@@ -129,6 +160,7 @@ class FusedLayerKernels:
         # imported here so the torch path never imports Triton (and TRITON_INTERPRET may be set
         # by the caller before the first fused call)
         self.ops = importlib.import_module("vllm_rlt.kernels.fused_ops")
+        self.rope = importlib.import_module("vllm_rlt.kernels.interleaved_rope")
 
     def norm(self, x, norm):
         return self.ops.rms_norm(x, norm.weight, norm.eps)
@@ -147,8 +179,13 @@ class FusedLayerKernels:
         return *self.ops.rope_qk_(qkv, cos, signed_sin, *heads), False
 
     def swiglu(self, mlp, x):
-        gate_up = self.linear(x, mlp.gate_up_weight)
-        return self.linear(self.ops.silu_mul(gate_up), mlp.down_proj.weight)
+        return self.gated_mlp(x, mlp.gate_up_weight, mlp.down_proj.weight)
+
+    def gated_mlp(self, x, gate_up_weight, down_weight):
+        return self.linear(self.ops.silu_mul(self.linear(x, gate_up_weight)), down_weight)
+
+    def bias_rope(self, qkv, qk_bias, table, num_heads, head_dim):
+        return self.rope.bias_rope_(qkv, qk_bias, table, num_heads, head_dim)
 
     def out_proj(self, attn, x):
         return self.linear(x, attn.o_proj.weight)
@@ -186,10 +223,10 @@ class SkinnyLayerKernels(FusedLayerKernels):
         qkv = self.gemm.skinny_qkv_rope(x, attn.qkv_weight, *rope, *heads, kv=kv)
         return *self.ops.split_qkv(qkv, *heads), True
 
-    def swiglu(self, mlp, x):
+    def gated_mlp(self, x, gate_up_weight, down_weight):
         if not self._few_rows(x):
-            return super().swiglu(mlp, x)
-        return self.linear(self.gemm.skinny_swiglu(x, mlp.gate_up_weight), mlp.down_proj.weight)
+            return super().gated_mlp(x, gate_up_weight, down_weight)
+        return self.linear(self.gemm.skinny_swiglu(x, gate_up_weight), down_weight)
 
 
 class InvariantLayerKernels(FusedLayerKernels):

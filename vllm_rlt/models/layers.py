@@ -111,3 +111,13 @@ class FusesLinears(nn.Module):
         super()._apply(fn, recurse)
         self._fuse()
         return self
+
+
+def rotate_interleaved(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x [R, heads, d] rotated by adjacent pairs (2i, 2i + 1) in fp32 (fp64 for fp64); table:
+    [R, 1, d/2, 2] fp32."""
+    acc = acc_dtype(x.dtype)
+    x32 = x.to(acc).unflatten(-1, (-1, 2))
+    x0, x1 = x32[..., 0], x32[..., 1]
+    cos, sin = table[..., 0].to(acc), table[..., 1].to(acc)
+    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(-2).to(x.dtype)
