@@ -1,7 +1,7 @@
 """Huginn's q/k step in one launch: the q and k parts of its fused q/k/v projection output, each
 plus its bias, rotated by adjacent pairs (2i, 2i + 1), in place.
 
-The torch path (`models.huginn.rotate_interleaved` after the bias adds) takes about a dozen
+The torch path (the bias adds, then `models.layers.rotate_interleaved`) takes about a dozen
 element-wise kernels per layer and recurrence for a few kilobytes; this kernel does the same
 arithmetic element by element: the bias add rounded to the activation dtype, then each product
 and difference in fp32 (fp64 for fp64) and the result rounded once, with no fused multiply-add
