@@ -155,23 +155,21 @@ def ablated_ms(model, hidden, meta, kv, iters: int) -> dict[str, float]:
     skinny, attention = strategies.SkinnyLayerKernels, triton_backend.paged_attention
     norm, add_norm = skinny.norm, skinny.add_norm
     times = {}
-    try:
-        for name in ABLATIONS:
-            if name in ("no_norms", "gemms_only"):
-                skinny.norm = lambda self, x, n: x
-                skinny.add_norm = lambda self, h, y, a, b: (h, y)
-            if name in ("no_attention", "gemms_only"):
-                triton_backend.paged_attention = lambda q, *args, **kw: q
-            if name == "unsplit_attention":
-                triton_backend.paged_attention = lambda *a, **kw: attention(
-                    *a, **{**kw, "num_splits": 1}
-                )
+    for name in ABLATIONS:
+        if name in ("no_norms", "gemms_only"):
+            skinny.norm = lambda self, x, n: x
+            skinny.add_norm = lambda self, h, y, a, b: (h, y)
+        if name in ("no_attention", "gemms_only"):
+            triton_backend.paged_attention = lambda q, *args, **kw: q
+        if name == "unsplit_attention":
+            triton_backend.paged_attention = lambda *a, **kw: attention(
+                *a, **{**kw, "num_splits": 1}
+            )
+        try:
             times[name] = graph_ms(lambda: model.recurrent_core(hidden, meta, kv), iters)
+        finally:
             skinny.norm, skinny.add_norm = norm, add_norm
             triton_backend.paged_attention = attention
-    finally:
-        skinny.norm, skinny.add_norm = norm, add_norm
-        triton_backend.paged_attention = attention
     return times
 
 

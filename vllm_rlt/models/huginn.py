@@ -152,10 +152,10 @@ class HuginnForCausalLM(nn.Module):
     ):
         check_layer_kernels(layer_kernels)
         super().__init__()
-        # the blocks call the strategy's norm, linear and logits: skinny (the CUDA default) runs
-        # the norms as Triton kernels and projections of up to 16 rows on the few-row GEMM;
-        # invariant (batch_invariant) the projections and the LM head on the invariant GEMM;
-        # the rest is element-wise torch (docs/design/runner.md §4, §6)
+        # the blocks call the strategy's norm, linear, logits, bias_rope and gated_mlp: skinny
+        # (the CUDA default) runs the norms, the q/k step and the activation as Triton kernels
+        # and projections of up to 16 rows on the few-row GEMM; invariant (batch_invariant) the
+        # projections and the LM head on the invariant GEMM (docs/design/runner.md §4, §6)
         self.layer_kernels = layer_kernels
         backend = get_attention_backend(attention_backend)
         self.config = config

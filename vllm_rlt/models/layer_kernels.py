@@ -18,7 +18,7 @@ Huginn, whose layers differ, `norm`, `linear`, `logits`, `bias_rope` and `gated_
 - `bias_rope(qkv, qk_bias, table, heads, d)`: Huginn's q and k plus their bias, rotated by
   adjacent pairs;
 - `gated_mlp(x, gate_up_weight, down_weight)`: a SwiGLU MLP from its fused [gate; up] weight
-  (Huginn's).
+  (Huginn's; the fused strategies' `swiglu` is this on Ouro's fused weight).
 
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
