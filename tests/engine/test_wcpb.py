@@ -30,6 +30,15 @@ def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=21)
 
 
+@pytest.fixture(scope="module")
+def one_layer_dir(tmp_path_factory):
+    """The suite's model: the modes differ in which rows share an invocation and when, never in
+    what a layer computes, so one layer shows what they change at about 3/4 of the CPU time (the
+    two-layer model runs the subset on Triton and the GPU, and the dense-reference checks)."""
+    path = tmp_path_factory.mktemp("m1")
+    return write_tiny_ouro(path, vocab_size=256, seed=21, num_hidden_layers=1)
+
+
 def engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
     return make_engine(model_dir, device, backend, **kw)
 
@@ -102,10 +111,10 @@ SUITE = 200
 
 
 @pytest.mark.parametrize("block", range(8))
-def test_randomized_suite_wcpb_equals_split_atomic_serial(model_dir, block):
+def test_randomized_suite_wcpb_equals_split_atomic_serial(one_layer_dir, block):
     """200 workloads in 8 blocks (so the suite reports progress and parallelises)."""
     seeds = range(block * SUITE // 8, (block + 1) * SUITE // 8)
-    near_ties = sum(check_modes(model_dir, s) for s in seeds)
+    near_ties = sum(check_modes(one_layer_dir, s) for s in seeds)
     print(f"block {block}: {len(seeds)} workloads, {near_ties} near-ties")
     assert near_ties <= 2
 
