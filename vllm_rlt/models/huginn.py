@@ -29,11 +29,11 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import check_layer_kernels
 from vllm_rlt.kernels.kv_format import KVLayer
 from vllm_rlt.models.huginn_config import HuginnConfig
-from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
+from vllm_rlt.models.layer_kernels import LayerKernels
 from vllm_rlt.models.layers import RMSNorm
+from vllm_rlt.models.looped_lm import LoopedCausalLM
 from vllm_rlt.tensor_utils import counter_uniform
 
 # fp32 tolerance of a checkpoint's `freqs_cis` against the recomputed table (the angles reach
@@ -134,7 +134,7 @@ class HuginnTransformer(nn.Module):
         self.ln_f = RMSNorm(e, config.norm_eps)
 
 
-class HuginnForCausalLM(nn.Module):
+class HuginnForCausalLM(LoopedCausalLM):
     """Huginn over packed rows; the KV cache and the hidden-state buffers live outside."""
 
     # capabilities the engine checks at startup
@@ -150,19 +150,13 @@ class HuginnForCausalLM(nn.Module):
         attention_backend: str | AttentionBackend = "torch",
         layer_kernels: str = "auto",
     ):
-        check_layer_kernels(layer_kernels)
-        super().__init__()
+        super().__init__(config, layer_kernels)
         # the blocks call the strategy's norm, linear, logits, bias_rope and gated_mlp: skinny
         # (the CUDA default) runs the norms, the q/k step and the activation as Triton kernels
         # and projections of up to 16 rows on the few-row GEMM; invariant (batch_invariant) the
         # projections and the LM head on the invariant GEMM (docs/design/runner.md §4, §6)
-        self.layer_kernels = layer_kernels
-        backend = get_attention_backend(attention_backend)
-        self.config = config
-        self.transformer = HuginnTransformer(config, backend)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
+        self.transformer = HuginnTransformer(config, get_attention_backend(attention_backend))
+        self._add_lm_head(self.transformer.wte, config.tie_embeddings)
         table = rope_table(config.head_dim, config.block_size, config.rope_base)
         self.register_buffer("rope", table, persistent=False)
 
@@ -268,6 +262,3 @@ class HuginnForCausalLM(nn.Module):
         """Coda output [R, E] -> logits [R, V] (in the model dtype)."""
         kernels = self._kernels(hidden.device)
         return kernels.logits(kernels.norm(hidden, self.transformer.ln_f), self.lm_head.weight)
-
-    def _kernels(self, device: torch.device) -> LayerKernels:
-        return get_layer_kernels(self.layer_kernels, device)

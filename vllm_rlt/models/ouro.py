@@ -18,11 +18,11 @@ from torch import nn
 
 from vllm_rlt.attention.backend import AttentionBackend, get_attention_backend
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.config import check_layer_kernels
 from vllm_rlt.config_fields import check_field_types
 from vllm_rlt.kernels.kv_format import KVLayer
-from vllm_rlt.models.layer_kernels import LayerKernels, get_layer_kernels
+from vllm_rlt.models.layer_kernels import LayerKernels
 from vllm_rlt.models.layers import FusesLinears, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from vllm_rlt.models.looped_lm import LoopedCausalLM
 from vllm_rlt.models.registry import UnsupportedConfigError
 
 
@@ -198,7 +198,7 @@ class OuroModel(nn.Module):
         self.early_exit_gate = nn.Linear(config.hidden_size, 1, bias=True)
 
 
-class OuroForCausalLM(nn.Module):
+class OuroForCausalLM(LoopedCausalLM):
     """Ouro over packed rows; the KV cache and the hidden-state buffers live outside."""
 
     # capabilities the engine checks at startup
@@ -215,17 +215,9 @@ class OuroForCausalLM(nn.Module):
         attention_backend: str | AttentionBackend = "torch",
         layer_kernels: str = "auto",
     ):
-        check_layer_kernels(layer_kernels)
-        super().__init__()
-        # which LayerKernels run the layers: "auto" (skinny on CUDA, torch elsewhere), "torch",
-        # "fused" or "skinny" (tests and benchmarks pick one)
-        self.layer_kernels = layer_kernels
-        backend = get_attention_backend(attention_backend)
-        self.config = config
-        self.model = OuroModel(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, layer_kernels)
+        self.model = OuroModel(config, get_attention_backend(attention_backend))
+        self._add_lm_head(self.model.embed_tokens, config.tie_word_embeddings)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta
         )
@@ -252,7 +244,7 @@ class OuroForCausalLM(nn.Module):
         `kv.layer(i)` gives layer i's caches (`KVLayer`); the metadata says which plane and
         positions each row writes and reads.
         """
-        kernels = get_layer_kernels(self.layer_kernels, hidden.device)
+        kernels = self._kernels(hidden.device)
         rope = self.rotary.tables(attn_metadata.positions, hidden.dtype)
         layers = self.model.layers
         next_norms = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
@@ -271,5 +263,5 @@ class OuroForCausalLM(nn.Module):
 
     def coda(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, V] (in the model dtype)."""
-        kernels = get_layer_kernels(self.layer_kernels, hidden.device)
+        kernels = self._kernels(hidden.device)
         return kernels.logits(hidden, self.lm_head.weight)
