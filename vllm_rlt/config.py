@@ -354,6 +354,12 @@ class SpeculativeConfig:
         "invocations leave the weight-bound regime)",
         default=8,
     )
+    speculative_fallback: bool = field_help(
+        "measure output tokens/s with speculation and without it at the current load (phases "
+        "of steps, on the engine's clock) and speculate only while it measures faster "
+        "(docs/design/speculative.md §5); outputs are the same either way",
+        default=True,
+    )
     speculative_invocation_costs: str | None = field_help(
         "adaptive rule: measured cost of one recurrent-core invocation by rows, as "
         "'rows:cost,rows:cost,...' (any unit, interpolated linearly); with it each window takes "

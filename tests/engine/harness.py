@@ -21,8 +21,11 @@ NEAR_TIE = 1e-5
 
 
 def make_engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
-    """An engine on a test model directory, fp32 and KV sized generously unless given."""
+    """An engine on a test model directory, fp32 and KV sized generously unless given;
+    speculation follows its adaptive rules alone unless given (the measured fallback reads the
+    clock: tests/core/test_spec_governor.py and test_speculative.py drive it with their own)."""
     kw.setdefault("num_kv_blocks", 4096)
+    kw.setdefault("speculative_fallback", False)
     kw.setdefault("block_size", 4)
     kw.setdefault("dtype", "float32")
     config = EngineConfig.from_kwargs(

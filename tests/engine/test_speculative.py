@@ -22,6 +22,7 @@ from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_bat
 from tests.helpers import chi_square_homogeneity, chi_square_sf
 from vllm_rlt.config import ConfigError
 from vllm_rlt.core.sched.execution_batch import RowKind
+from vllm_rlt.core.sched.spec_governor import SETTLE_STEPS
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.models.ouro import OuroForCausalLM
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
@@ -317,3 +318,40 @@ def test_logprobs_requests_decode_plainly(model_dir):
     eng = make_engine(model_dir, num_speculative_tokens=2)
     assert run_batched(eng, [job]) == run_batched(make_engine(model_dir), [job])
     assert eng.scheduler.spec.num_windows == 0
+
+
+@pytest.mark.parametrize("spec_cost", [3.0, 1.0])
+def test_the_measured_fallback_keeps_the_faster_mode_and_the_tokens(always_draft, spec_cost):
+    """`speculative_fallback` on a clock the test drives, a step costing `spec_cost` while the
+    governor speculates and 1 otherwise: three times the cost turns speculation off (windows
+    stop opening), the same cost keeps it on (a window's step emits its accepted drafts too);
+    the tokens are plain decoding's either way."""
+    settings = dict(exit_threshold=1.0, max_num_seqs=2)
+    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    jobs = [Job("a", list(range(3, 40)), params), Job("b", list(range(7, 30)), params)]
+    want = run_batched(make_engine(default_model_dir(), **settings), jobs)
+    eng = make_engine(
+        default_model_dir(), num_speculative_tokens=3, speculative_draft_loops=2,
+        speculative_fallback=True, **settings,
+    )  # fmt: skip
+    gov, now = eng.scheduler.governor, [0.0]
+    gov.clock = lambda: now[0]
+    observe, steps = gov.observe, []  # (the mode, windows read back) at each step
+
+    def timed(tokens: int, num_decoding: int) -> None:
+        now[0] += spec_cost if gov.speculate else 1.0
+        steps.append((gov.speculate, eng.scheduler.spec.num_windows))
+        observe(tokens, num_decoding)
+
+    gov.observe = timed
+    assert run_batched(eng, jobs) == want
+    assert gov.rates[2, True] and gov.rates[2, False]  # both measured at 2 decoding requests
+    first_off = next(i for i, (on, _) in enumerate(steps) if not on)
+    last_off = max(i for i, (on, _) in enumerate(steps) if not on)
+    windows = eng.scheduler.spec.num_windows
+    if spec_cost > 1:  # off for good: no window after those open at the switch were read
+        assert not gov.speculate
+        assert windows == steps[first_off + SETTLE_STEPS][1]
+    else:  # measured faster: on again, windows opening again
+        assert gov.speculate
+        assert windows > steps[last_off][1]

@@ -16,6 +16,7 @@ from tests.engine.harness import Job, kv_all_free, make_engine
 from tests.engine.test_device_runs import _assert_same, _run
 from vllm_rlt.config import ConfigError
 from vllm_rlt.core.sched import device_runs as sched_runs
+from vllm_rlt.core.sched import spec_governor
 from vllm_rlt.engine import assembly
 from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.sampling_params import SamplingParams
@@ -211,3 +212,58 @@ def test_what_speculation_refuses():
     for params in (SamplingParams(exit_threshold=0.3), SamplingParams(max_loops=2)):
         eng.add_request(f"x{params.max_loops}", [50, 60, 70], params)
     assert eng.scheduler.spec is None  # no windows: lanes
+
+
+def test_the_measured_fallback_ends_lanes_that_measure_slower(monkeypatch):
+    """Speculation with the exit gate under `speculative_fallback`, on a clock the test drives
+    that charges five times as much for a step while the governor speculates, in phases of 8
+    steps (runs of 8 invocations take few steps): plain decoding measures faster, no run planned
+    while the governor says so has lanes (a carried run with lanes ends), and the tokens and exit
+    depths are plain decoding's."""
+    monkeypatch.setattr(spec_governor, "PHASE_STEPS", 8)
+    monkeypatch.setattr(spec_governor, "SETTLE_STEPS", 2)
+    params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
+    rng = random.Random(4)
+    jobs = [Job(f"r{i}", rng.choices(range(40, 120), k=16), params) for i in range(2)]
+    settings = dict(max_num_seqs=2, device_decode_loops=8)
+    want = _run(make_engine(default_model_dir(), **settings), jobs)
+    eng = make_engine(
+        default_model_dir(), num_speculative_tokens=3, speculative_fallback=True, **settings
+    )
+    gov, now, runs = eng.scheduler.governor, [0.0], []  # runs: (mode, lanes?) of each run
+    gov.clock = lambda: now[0]
+    observe, schedule = gov.observe, eng.scheduler.schedule
+
+    def timed(tokens: int, num_decoding: int) -> None:
+        now[0] += 5.0 if gov.speculate else 1.0
+        observe(tokens, num_decoding)
+
+    def noted():
+        speculate, batch = gov.speculate, schedule()
+        if batch.decode_run is not None:
+            runs.append((speculate, batch.decode_run.lanes > 1))
+        return batch
+
+    gov.observe, eng.scheduler.schedule = timed, noted
+    _assert_same(eng, jobs, _run(eng, jobs), want, exact=True)
+    assert gov.rates[2, False] > gov.rates[2, True]  # (2 decoding requests: load bucket 2)
+    assert any(lanes for on, lanes in runs if on)
+    assert any(not on for on, _ in runs) and not any(lanes for on, lanes in runs if not on)
+
+
+@pytest.mark.parametrize("run_loops", [2, 3])
+def test_carried_runs_with_lanes_reserve_the_positions_their_lanes_reach(run_loops):
+    """Runs of 2 or 3 invocations carried one after another: lanes live at a carried run's
+    start stand up to lanes - 1 positions past the newest token, so the run reserves the blocks
+    of those too (before, a lane wrote its KV through a block table that did not reach its
+    position, and greedy tokens parted from plain decoding's after 20 to 80 tokens)."""
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    rng = random.Random(4)
+    jobs = [Job(f"r{i}", rng.choices(range(40, 120), k=16), params) for i in range(2)]
+    settings = dict(max_num_seqs=2, device_decode_loops=run_loops)
+    want = _run(make_engine(default_model_dir(), **settings), jobs)
+    eng = make_engine(default_model_dir(), num_speculative_tokens=3, **settings)
+    count = _lanes_runs(eng)
+    _assert_same(eng, jobs, _run(eng, jobs), want, exact=True)
+    assert count[0] > 10 and count[1] > 10  # runs with lanes, carried ones among them
+    assert kv_all_free(eng)

@@ -34,6 +34,7 @@ from vllm_rlt.core.sched.execution_batch import (
 from vllm_rlt.core.sched.exit_policy import ExitPolicy, TraceExit
 from vllm_rlt.core.sched.kv_demand import kv_demand
 from vllm_rlt.core.sched.lane_rule import LaneRule, run_lanes
+from vllm_rlt.core.sched.spec_governor import SpecGovernor
 from vllm_rlt.request import DecodeToken, Request
 
 
@@ -46,9 +47,11 @@ class RunPlanner:
         num_loops: int,
         supported: bool,
         speculative: SpeculativeConfig | None = None,
+        governor: SpecGovernor | None = None,
     ):
         """`supported`: the model's decode rows can run so (its prelude and coda need no
-        attention); `speculative`: runs alone speculate with these settings."""
+        attention); `speculative`: runs alone speculate with these settings, while `governor`
+        (if any) measures speculation faster."""
         self.max_loops = config.run_loops
         if config.max_prefill_stall_loops is not None:  # R4
             self.max_loops = min(self.max_loops, config.max_prefill_stall_loops)
@@ -57,6 +60,7 @@ class RunPlanner:
         self.exit_policy = exit_policy
         self.num_loops = num_loops
         self.speculative = speculative
+        self.governor = governor
         self.lane_rule = LaneRule()  # whether runs with lanes pay; their counters
 
     def wanted(self, tasks: list[ScheduledRequest], requests: dict[str, Request]) -> bool:
@@ -114,7 +118,7 @@ class RunPlanner:
             return None
         if any(r.decode is None or r.status.finished for r in reqs):
             return None
-        if flight.lanes > 1 and not self.lane_rule.keeps():
+        if flight.lanes > 1 and not (self.lane_rule.keeps() and self._governed_on()):
             return None  # lanes stopped paying: the next run is fresh, without them
         if flight.lanes == 1 and self._speculates(reqs):
             return None  # lanes are wanted again: the next run is fresh, with them
@@ -125,7 +129,10 @@ class RunPlanner:
         loops = min(longest, max(self._work(r) for r in reqs) - before)
         if loops < 2:
             return None
-        if not self._reserve(reqs, before + loops + (flight.lanes > 1), []):
+        # with lanes, the flight may start with lanes up to lanes - 1 positions past the newest
+        # token, and a lane starts at most one position per invocation after them
+        ahead = flight.lanes if flight.lanes > 1 else 0
+        if not self._reserve(reqs, before + loops + ahead, []):
             return None
         rows = tuple(self._row(r, before + loops) for r in reqs)
         if flight.lanes > 1:  # (its state on the device is lanes')
@@ -140,7 +147,13 @@ class RunPlanner:
         spec = self.speculative
         if spec is None or len(reqs) > spec.speculative_max_decode_rows:
             return False
+        if not self._governed_on():
+            return False
         return any(self._drafts(r) for r in reqs) and self.lane_rule.wanted()
+
+    def _governed_on(self) -> bool:
+        """Speculation is on as far as the measured fallback goes (`SpecGovernor`)."""
+        return self.governor is None or self.governor.speculate
 
     @staticmethod
     def _drafts(req: Request) -> bool:

@@ -45,6 +45,7 @@ from vllm_rlt.core.sched.kv_demand import kv_demand
 from vllm_rlt.core.sched.loop_rules import LoopRules
 from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner, make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
+from vllm_rlt.core.sched.spec_governor import SpecGovernor
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
 
@@ -77,12 +78,19 @@ class Scheduler:
         self.num_loops = num_loops
         self.planner = planner or make_planner(config, kv_manager.layout, num_loops)
         self.spec = None  # speculative windows
-        if speculative is not None and speculative.num_speculative_tokens and not spec_runs:
-            self.spec = SpecPlanner(speculative, num_loops, config.max_num_batched_tokens)
+        speculates = speculative is not None and speculative.num_speculative_tokens > 0
+        # speculation only while it measures faster (None: whenever the adaptive rules say)
+        self.governor = SpecGovernor() if speculates and speculative.speculative_fallback else None
+        if speculates and not spec_runs:
+            self.spec = SpecPlanner(
+                speculative, num_loops, config.max_num_batched_tokens, self.governor
+            )
         self.decode = DecodePlanner(config.scheduling_mode, exit_policy, self.spec)
         self.loop_rules = LoopRules(config, self.planner, self.decode, num_loops)
         lanes = speculative if spec_runs else None
-        self.runs = RunPlanner(config, kv_manager, exit_policy, num_loops, device_runs, lanes)
+        self.runs = RunPlanner(
+            config, kv_manager, exit_policy, num_loops, device_runs, lanes, self.governor
+        )
         self.waiting = RequestQueue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -419,7 +427,11 @@ class Scheduler:
             if answer is not None:
                 self._read_tokens(*answer)
         got, self._got = self._got.values(), {}
-        return [(req, before) for req, before in got if len(req.output_token_ids) > before]
+        got = [(req, before) for req, before in got if len(req.output_token_ids) > before]
+        if self.governor is not None:
+            tokens = sum(len(req.output_token_ids) - before for req, before in got)
+            self.governor.observe(tokens, len(self.decode.decoding(self.running)))
+        return got
 
     def _note(self, req_ids) -> None:
         """Remember the output counts of `req_ids` before tokens are applied to them."""

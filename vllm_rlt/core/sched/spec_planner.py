@@ -23,6 +23,7 @@ from vllm_rlt.core.sched.execution_batch import (
     ScheduledRequest,
     VerifySample,
 )
+from vllm_rlt.core.sched.spec_governor import SpecGovernor
 from vllm_rlt.request import DecodeToken, Request, SpecWindow
 
 PRIOR_ACCEPTANCE = 0.7  # the adaptive rule's acceptance rate before any draft was verified
@@ -33,9 +34,17 @@ PROBE_EVERY = 256  # ... and then still opens a window about every this many dec
 
 
 class SpecPlanner:
-    def __init__(self, config: SpeculativeConfig, num_loops: int, max_rows: int):
-        """`max_rows`: rows of one invocation (a window's verify rows must fit)."""
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        num_loops: int,
+        max_rows: int,
+        governor: SpecGovernor | None = None,
+    ):
+        """`max_rows`: rows of one invocation (a window's verify rows must fit); `governor`:
+        windows open only while it measures speculation faster."""
         self.config = config
+        self.governor = governor
         self.num_loops = num_loops
         self.draft_loops = config.speculative_draft_loops
         self.max_drafts = min(config.num_speculative_tokens, max_rows - 1)
@@ -54,6 +63,8 @@ class SpecPlanner:
         that may sample `remaining` more tokens (the window emits up to drafts + 1)."""
         most = min(self.max_drafts, remaining - 1)
         if most <= 0 or num_decoding > self.config.speculative_max_decode_rows:
+            return 0
+        if self.governor is not None and not self.governor.speculate:
             return 0
         if self.costs is None:
             return most if self.flat_rule_drafts(most, num_decoding) else 0

@@ -1,0 +1,83 @@
+"""The measured fallback of speculation (`SpecGovernor`): phases of steps with and without
+speculation on a clock the test drives, per load, and revisits of the slower mode that grow."""
+
+from __future__ import annotations
+
+from vllm_rlt.core.sched.spec_governor import (
+    FIRST_REVISIT,
+    MAX_REVISIT,
+    PHASE_STEPS,
+    SETTLE_STEPS,
+    SpecGovernor,
+)
+
+PHASE = SETTLE_STEPS + PHASE_STEPS  # steps per phase
+
+
+class Steps:
+    """Steps of an engine whose step costs `cost[speculating]` seconds on a clock of its own,
+    emitting `tokens[speculating]` tokens."""
+
+    def __init__(self, cost: dict[bool, float], tokens: dict[bool, int]):
+        self.now = 0.0
+        self.cost, self.tokens = cost, tokens
+        self.gov = SpecGovernor(clock=lambda: self.now)
+        self.modes: list[bool] = []  # the mode of every step
+
+    def run(self, steps: int, num_decoding: int = 4) -> None:
+        for _ in range(steps):
+            mode = self.gov.speculate
+            self.modes.append(mode)
+            self.now += self.cost[mode]
+            self.gov.observe(self.tokens[mode], num_decoding)
+
+
+def phases(modes: list[bool]) -> list[bool]:
+    """The mode of each whole phase."""
+    return [modes[i] for i in range(0, len(modes) - PHASE + 1, PHASE)]
+
+
+def test_a_slower_speculation_is_turned_off_and_revisited_ever_more_rarely():
+    # speculating: 2 tokens per step but 3x the time -> 0.67x the tokens per second
+    s = Steps(cost={True: 3.0, False: 1.0}, tokens={True: 2, False: 1})
+    s.run(PHASE * 60)
+    got = phases(s.modes)
+    assert got[:2] == [True, False]  # measure both
+    # then plain decoding, speculation measured again after 8 phases, then after 16, 32
+    revisits = [i for i, on in enumerate(got) if on][1:]
+    first = 1 + FIRST_REVISIT  # plain decoding ran phases 1-8
+    second = first + 1 + 2 * FIRST_REVISIT
+    third = second + 1 + 4 * FIRST_REVISIT
+    assert revisits == [p for p in (first, second, third) if p < len(got)]
+    assert s.gov.rates[3, True] < s.gov.rates[3, False]  # (4 decoding: load bucket 3)
+    assert s.gov.waits[3] <= MAX_REVISIT
+
+
+def test_a_faster_speculation_stays_on_and_plain_decoding_is_remeasured():
+    s = Steps(cost={True: 1.2, False: 1.0}, tokens={True: 2, False: 1})
+    s.run(PHASE * 30)
+    got = phases(s.modes)
+    assert got[:2] == [True, False]
+    off = [i for i, on in enumerate(got) if not on]
+    assert off[:2] == [1, 2 + FIRST_REVISIT]  # plain decoding measured again after 8 phases
+    assert sum(got) > 0.85 * len(got)
+
+
+def test_settle_steps_are_not_measured():
+    """Tokens of a phase's first steps (windows of the mode before still finishing) do not count:
+    a burst there changes no rate."""
+    gov = SpecGovernor(clock=lambda: float(len(seen)))
+    seen: list[int] = []
+    for i in range(PHASE):
+        seen.append(i)
+        gov.observe(1000 if i < SETTLE_STEPS else 1, 1)
+    assert gov.rates[1, True] == PHASE_STEPS / PHASE_STEPS  # 1 token per unit of time
+
+
+def test_each_load_is_measured_on_its_own():
+    s = Steps(cost={True: 3.0, False: 1.0}, tokens={True: 2, False: 1})
+    s.run(PHASE * 3, num_decoding=1)  # measured at 1: speculation loses there
+    assert s.gov.speculate is False
+    s.run(1, num_decoding=8)  # a phase starts at a load not measured yet: speculation first
+    assert s.gov.speculate is True
+    assert (4, True) not in s.gov.rates

@@ -1,0 +1,84 @@
+"""Speculation that never loses (docs/design/speculative.md §5): output tokens per second with
+speculation and without it, measured on the engine's clock at the current load, and windows (or
+runs with lanes) opened only while speculating measured faster.
+
+The adaptive rules (`SpecPlanner`, `LaneRule`) count invocations; what speculation costs a real
+engine also depends on the host (a window's steps end at its decision, and every step costs host
+time) and on how an invocation's cost grows with its rows. The governor measures the outcome:
+after every step the scheduler reports the tokens it applied, and the governor runs phases of
+`PHASE_STEPS` steps, speculating or not, each after `SETTLE_STEPS` steps in which the windows of
+the phase before finish. A phase measures one mode at the load it starts at (decoding requests,
+in buckets of powers of two). Once both modes of a load are measured the faster one runs, and the
+slower one is measured again after `FIRST_REVISIT` phases, then after twice as many each time it
+is slower again (at most `MAX_REVISIT`), so a workload whose costs change is followed while a
+settled one spends almost no time in the slower mode. Outputs never
+depend on it: speculation is exact, the governor only decides when it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+PHASE_STEPS = 32  # steps a phase measures
+SETTLE_STEPS = 4  # steps at a phase's start that it does not measure
+FIRST_REVISIT = 8  # phases of the faster mode before the slower one is measured again
+MAX_REVISIT = 64  # ... doubling each time it is slower again, up to this many
+
+
+class SpecGovernor:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.speculate = True  # the mode of the phase in progress
+        self.rates: dict[tuple[int, bool], float] = {}  # (load, speculate) -> tokens per second
+        self.waits: dict[int, int] = {}  # load -> phases the faster mode runs before a revisit
+        self.left: dict[int, int] = {}  # load -> phases of the faster mode before that revisit
+        self.load: int | None = None  # the load at the start of the phase in progress
+        self.steps = 0  # steps of the phase in progress
+        self.tokens = 0  # tokens its measured steps applied
+        self.start = 0.0  # clock at its first measured step
+
+    def observe(self, tokens: int, num_decoding: int) -> None:
+        """A step applied `tokens` output tokens while `num_decoding` requests decode."""
+        load = num_decoding.bit_length()  # 0, 1, 2-3, 4-7, ...
+        if self.steps == 0 and load != self.load:  # a phase starts at another load
+            self.load, self.speculate = load, self._mode(load)
+        self.steps += 1
+        if self.steps == SETTLE_STEPS:
+            self.start, self.tokens = self.clock(), 0
+        elif self.steps > SETTLE_STEPS:
+            self.tokens += tokens
+        if self.steps < SETTLE_STEPS + PHASE_STEPS:
+            return
+        elapsed = self.clock() - self.start
+        rate = self.tokens / elapsed if elapsed > 0 else float("inf")
+        self.rates[self.load, self.speculate] = rate
+        self._decide(self.load)
+        self.steps = 0
+
+    def _mode(self, load: int) -> bool:
+        """The mode a phase at `load` starts in: a mode not measured there yet, else the faster."""
+        on, off = self.rates.get((load, True)), self.rates.get((load, False))
+        if on is None or off is None:
+            return on is None
+        return on > off
+
+    def _decide(self, load: int) -> None:
+        """The mode of the next phase, after one at `load` was measured: the mode not measured
+        yet; the faster, for `waits` phases after the slower was measured (doubling each time);
+        then the slower once."""
+        on, off = self.rates.get((load, True)), self.rates.get((load, False))
+        if on is None or off is None:
+            self.speculate = on is None
+            return
+        faster = on > off
+        if load not in self.left:  # the slower mode was just measured (or both, for the first time)
+            wait = self.waits.get(load, FIRST_REVISIT)
+            self.waits[load] = min(2 * wait, MAX_REVISIT)
+            self.left[load] = wait - (self.speculate == faster)  # (this phase ran the faster)
+        else:
+            self.left[load] -= 1
+        self.speculate = faster
+        if self.left[load] <= 0:
+            del self.left[load]
+            self.speculate = not faster  # measure the slower mode again
