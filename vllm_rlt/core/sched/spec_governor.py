@@ -31,8 +31,8 @@ class SpecGovernor:
         self.clock = clock
         self.speculate = True  # the mode of the phase in progress
         self.rates: dict[tuple[int, bool], float] = {}  # (load, speculate) -> tokens per second
-        self.waits: dict[int, int] = {}  # load -> phases the faster mode runs before a revisit
-        self.left: dict[int, int] = {}  # load -> phases of the faster mode before that revisit
+        self.waits: dict[int, int] = {}  # load -> the wait after its next measured slower mode
+        self.left: dict[int, int] = {}  # load -> phases of the faster mode left before a revisit
         self.load: int | None = None  # the load at the start of the phase in progress
         self.steps = 0  # steps of the phase in progress
         self.tokens = 0  # tokens its measured steps applied
