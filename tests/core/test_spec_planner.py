@@ -26,7 +26,10 @@ D = 4
 
 def scheduler(k: int, d: int, **kw) -> Scheduler:
     kv = KVCacheManager(4096, 4, "last_exited", D)
-    spec = SpeculativeConfig(num_speculative_tokens=k, speculative_draft_loops=d)
+    # (the adaptive rule alone: the measured fallback reads the clock)
+    spec = SpeculativeConfig(
+        num_speculative_tokens=k, speculative_draft_loops=d, speculative_fallback=False
+    )
     config = SchedulerConfig(async_scheduling=False, **kw)  # the fake runner answers at once
     return Scheduler(config, kv, make_exit_policy("ouro", None), D, speculative=spec)
 

@@ -34,7 +34,7 @@ from vllm_rlt.core.sched.execution_batch import (
 from vllm_rlt.core.sched.exit_policy import ExitPolicy, TraceExit
 from vllm_rlt.core.sched.kv_demand import kv_demand
 from vllm_rlt.core.sched.lane_rule import LaneRule, run_lanes
-from vllm_rlt.core.sched.spec_governor import SpecGovernor
+from vllm_rlt.core.sched.spec_governor import SpecGovernor, speculation_on
 from vllm_rlt.request import DecodeToken, Request
 
 
@@ -118,7 +118,7 @@ class RunPlanner:
             return None
         if any(r.decode is None or r.status.finished for r in reqs):
             return None
-        if flight.lanes > 1 and not (self.lane_rule.keeps() and self._governed_on()):
+        if flight.lanes > 1 and not (self.lane_rule.keeps() and speculation_on(self.governor)):
             return None  # lanes stopped paying: the next run is fresh, without them
         if flight.lanes == 1 and self._speculates(reqs):
             return None  # lanes are wanted again: the next run is fresh, with them
@@ -147,13 +147,9 @@ class RunPlanner:
         spec = self.speculative
         if spec is None or len(reqs) > spec.speculative_max_decode_rows:
             return False
-        if not self._governed_on():
+        if not speculation_on(self.governor):
             return False
         return any(self._drafts(r) for r in reqs) and self.lane_rule.wanted()
-
-    def _governed_on(self) -> bool:
-        """Speculation is on as far as the measured fallback goes (`SpecGovernor`)."""
-        return self.governor is None or self.governor.speculate
 
     @staticmethod
     def _drafts(req: Request) -> bool:

@@ -82,3 +82,8 @@ class SpecGovernor:
         if self.left[load] <= 0:
             del self.left[load]
             self.speculate = not faster  # measure the slower mode again
+
+
+def speculation_on(governor: SpecGovernor | None) -> bool:
+    """Whether speculation may run as far as the measured fallback goes (None: no fallback)."""
+    return governor is None or governor.speculate

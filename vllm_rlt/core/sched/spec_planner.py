@@ -23,7 +23,7 @@ from vllm_rlt.core.sched.execution_batch import (
     ScheduledRequest,
     VerifySample,
 )
-from vllm_rlt.core.sched.spec_governor import SpecGovernor
+from vllm_rlt.core.sched.spec_governor import SpecGovernor, speculation_on
 from vllm_rlt.request import DecodeToken, Request, SpecWindow
 
 PRIOR_ACCEPTANCE = 0.7  # the adaptive rule's acceptance rate before any draft was verified
@@ -64,7 +64,7 @@ class SpecPlanner:
         most = min(self.max_drafts, remaining - 1)
         if most <= 0 or num_decoding > self.config.speculative_max_decode_rows:
             return 0
-        if self.governor is not None and not self.governor.speculate:
+        if not speculation_on(self.governor):
             return 0
         if self.costs is None:
             return most if self.flat_rule_drafts(most, num_decoding) else 0
