@@ -5,9 +5,12 @@ than 100 us (the host between launches), GPU time of torch's own kernels (the ru
 and per kernel name. With `--phases`, the host's phases (the plan, the queueing, the wait for a
 run's read-back, applying and emitting its tokens) are timed and marked in the trace, the GPU's
 idle gaps are attributed to the innermost phase the host was in meanwhile, and the runs are counted:
-alone, carried, beside prefill.
+alone, carried, beside prefill. With `--decode-only`, c requests (one per seat) run their prompts
+unprofiled and only their decode is profiled, so that fixed depth (`--threshold 1`) and exits
+compare in GPU time per invocation and per token, with no prefill or admission in the round.
 
     python -m benchmarks.probes.device_runs --concurrency 1 8 --out device-runs-profile.json
+  python -m benchmarks.probes.device_runs --decode-only --threshold 1 --concurrency 32 --out f.json
 """
 
 from __future__ import annotations
@@ -26,8 +29,14 @@ import torch
 from benchmarks.model_shapes import write_shape
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
-from vllm_rlt.entrypoints.bench.metrics import device_events, device_time_by_name, gpu_busy_seconds
+from vllm_rlt.entrypoints.bench.metrics import (
+    device_events,
+    device_time_by_name,
+    engine_counters,
+    gpu_busy_seconds,
+)
 from vllm_rlt.entrypoints.bench.throughput import run_requests
+from vllm_rlt.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -38,6 +47,8 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.6)
     p.add_argument("--min-loops", type=int, default=None)
     p.add_argument("--phases", action="store_true", help="also time the host's phases")
+    p.add_argument("--decode-only", action="store_true", help="profile c requests' decode alone")
+    p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--trace-dir", help="keep each concurrency's Chrome trace (gzipped) here")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -60,8 +71,12 @@ def profile(args, c: int) -> dict:
         params = {}
     for _ in range(3):  # every row count's graphs captured
         prompts = [rng.integers(0, vocab, 512).tolist() for _ in range(2 * c)]
-        run_requests(engine, prompts, 64, **params)
-    prompts = [rng.integers(0, vocab, 512).tolist() for _ in range(2 * c)]
+        run_requests(engine, prompts, args.output_len, **params)
+    num = c if args.decode_only else 2 * c
+    prompts = [rng.integers(0, vocab, 512).tolist() for _ in range(num)]
+    if args.decode_only:
+        submit_and_prefill(engine, prompts, args.output_len, params)
+    before = engine.stats_dict()
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     steps = engine.stats.steps
     torch.cuda.synchronize()
@@ -69,7 +84,12 @@ def profile(args, c: int) -> dict:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         start = time.perf_counter()
-        _, wall = run_requests(engine, prompts, 64, **params)
+        if args.decode_only:
+            while engine.has_unfinished_requests():
+                engine.step()
+            wall = time.perf_counter() - start
+        else:
+            _, wall = run_requests(engine, prompts, args.output_len, **params)
         torch.cuda.synchronize()
         total = time.perf_counter() - start
     prof.export_chrome_trace(str(trace))
@@ -78,11 +98,18 @@ def profile(args, c: int) -> dict:
     events = json.loads(trace.read_text())["traceEvents"]
     steps = engine.stats.steps - steps
     by_name = device_time_by_name(events)
+    counters = engine_counters(before, engine.stats_dict(), len(prompts))
+    busy = gpu_busy_seconds(events)
+    tokens = counters["generated_tokens"]
     result = {
         "wall_s": total,
-        "output_tok_s": len(prompts) * 64 / wall,
+        "output_tok_s": tokens / wall,
         "steps": steps,
-        "gpu_busy_fraction": gpu_busy_seconds(events) / total,
+        "invocations": counters["invocations"],
+        "loops_per_token": counters["loops_per_token"],
+        "gpu_busy_fraction": busy / total,
+        "gpu_us_per_invocation": busy * 1e6 / max(counters["invocations"], 1),
+        "gpu_us_per_token": busy * 1e6 / max(tokens, 1),
         "host_gap_s": idle_seconds(events, 100.0),
         "torch_kernel_s": sum(us for name, us, _ in by_name if " at::" in name) / 1e6,
         "torch_kernel_launches": sum(n for name, _, n in by_name if " at::" in name),
@@ -94,6 +121,17 @@ def profile(args, c: int) -> dict:
     for row in result["gpu_us_by_name"]:
         print(row)
     return result
+
+
+def submit_and_prefill(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+                       params: dict) -> None:  # fmt: skip
+    """Submit `prompts` and step until every one has its first token (its prompt run)."""
+    sampling = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, **params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-only-{time.perf_counter_ns()}-{i}", prompt, sampling)
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
 
 
 def phases(engine: LLMEngine) -> dict:

@@ -17,11 +17,22 @@ atomic / split / WCPB (`--shape huginn-0125`: atomic and split) against one at a
 the requests whose tokens are identical, and for the others the first row (position, depth,
 prompt or decode) whose state differs. The recorder sees every row through
 `ModelRunner.observer`.
+
+    python -m benchmarks.probes.invariance --generation 303 --features prefix_hits preemption \
+        speculation --out features.json
+
+With `--features`, each feature runs instead of the modes, 8 requests at once in split prefill
+against one at a time without it: `prefix_hits` (the prompts run once before, so that every full
+block of each is a prefix-cache hit), `preemption` (KV blocks for 3 of the prompts and one block
+more, so that their output tokens preempt and recompute), `speculation` (2 drafts per window
+after 1 loop, every window drafting: dummy weights' drafts are all rejected, which would turn
+speculation off). Each reports the counter that shows it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import tempfile
@@ -32,7 +43,10 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.wcpb_matrix import release_device_memory
 from vllm_rlt.config import EngineConfig
+from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.models import registry
+from vllm_rlt.models.loader import read_config
 from vllm_rlt.sampling_params import SamplingParams
 
 MODES = {
@@ -135,28 +149,76 @@ def gpu_case() -> tuple[list[int], list[int], dict]:
     return prompt, other, settings
 
 
-def generate(model_dir, prompts, mode, concurrency, max_tokens, threshold=None, **kw):
-    """(tokens per request, the recorder) of greedy generation of `prompts` in `mode`, at most
-    `concurrency` at once (CUDA graphs as configured), at exit threshold `threshold` (None: the
-    model's)."""
-    eng = LLMEngine(EngineConfig.from_kwargs(
+def generate(model_dir, prompts, mode, concurrency, max_tokens, threshold=None, feature=None,
+             **kw):  # fmt: skip
+    """(tokens per request, the recorder, the feature's counter or None) of greedy generation of
+    `prompts` in `mode`, at most `concurrency` at once (CUDA graphs as configured), at exit
+    threshold `threshold` (None: the model's), with `feature` (FEATURES) on."""
+    settings, warm, counter = FEATURES[feature] if feature else (lambda *_: {}, False, None)
+    if threshold is not None:  # the engine's too: speculation with the gate runs lanes
+        kw = {**kw, "exit_threshold": threshold}
+    kw = {**kw, **settings(model_dir, prompts, max_tokens, kw.get("block_size", 16))}
+    config = EngineConfig.from_kwargs(
         model=str(model_dir), load_format="dummy", batch_invariant=True,
         max_num_seqs=concurrency, **MODES[mode], **kw,
-    ))  # fmt: skip
-    rec = StateRecorder(eng)
-    for i, prompt in enumerate(prompts):
-        # the seed: Huginn's initial state (the same in every mode)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                exit_threshold=threshold, seed=i)  # fmt: skip
-        eng.add_request(f"r{i}", prompt, params)
-    tokens = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    )  # fmt: skip
+    with _every_window_drafts(feature == "speculation"):
+        eng = LLMEngine(config)
+        rec = StateRecorder(eng)
+        tokens = {}
+        for prefix in ("w", "r") if warm else ("r",):
+            for i, prompt in enumerate(prompts):
+                # the seed: Huginn's initial state (the same in every mode)
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                        exit_threshold=threshold, seed=i)  # fmt: skip
+                eng.add_request(f"{prefix}{i}", prompt, params)
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        tokens[out.request_id] = list(out.outputs[0].token_ids)
+    shown = counter(eng) if counter else None
     del eng
     release_device_memory()  # the recorder's hook ties the engine in a cycle
-    return tokens, rec
+    return tokens, rec, shown
+
+
+def _kv_for_three(model_dir, prompts, max_tokens, block_size: int) -> dict:
+    """KV blocks (in every plane) for the longest prompt 3 times and one block more: 3 such
+    requests are admitted, and their output tokens preempt one (when they need a block more
+    each)."""
+    config = read_config(model_dir)
+    with torch.device("meta"):  # (the model's shape, no weights)
+        model = registry.resolve(config.model_type)[1](config)
+    planes = model.num_loops + model.num_edge_planes
+    blocks = -(-max(map(len, prompts)) // block_size)
+    return {"num_kv_blocks": planes * (3 * blocks + 1)}
+
+
+# each feature: (its engine settings from the model, the prompts, max_tokens and the block size,
+# whether the prompts run once before, the counter that shows it ran)
+FEATURES = {
+    "prefix_hits": (lambda *_: {}, True, lambda e: e.scheduler.prefix_hits),
+    "preemption": (_kv_for_three, False, lambda e: e.scheduler.num_preemptions),
+    "speculation": (
+        lambda *_: {"num_speculative_tokens": 2, "speculative_draft_loops": 1,
+                    "speculative_fallback": False},
+        False, lambda e: e.stats_dict()["spec_draft_tokens"],
+    ),
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _every_window_drafts(on: bool):
+    """Speculation's planner takes every draft to be accepted while `on`."""
+    if not on:
+        yield
+        return
+    acceptance = SpecPlanner.acceptance
+    SpecPlanner.acceptance = lambda self: 1.0
+    try:
+        yield
+    finally:
+        SpecPlanner.acceptance = acceptance
 
 
 def first_difference(rec, base, req_id: str, num_prompt: int) -> dict | None:
@@ -182,24 +244,30 @@ def first_difference(rec, base, req_id: str, num_prompt: int) -> dict | None:
 
 
 def generation_diagnostic(
-    model_dir, prompts, concurrency: int, max_tokens: int, threshold=None, modes=tuple(MODES), **kw
-) -> dict:
+    model_dir, prompts, concurrency: int, max_tokens: int, threshold=None, modes=tuple(MODES),
+    features=(), **kw,
+) -> dict:  # fmt: skip
     """Greedy generation with `batch_invariant`, `concurrency` requests at once in each of
-    `modes` against one at a time (atomic): identical requests, and where each differing
-    request's rows first differ."""
-    base_tokens, base = generate(model_dir, prompts, "atomic", 1, max_tokens, threshold, **kw)
+    `modes` (and in split prefill with each of `features`) against one at a time (atomic):
+    identical requests, and where each differing request's rows first differ."""
+    base_tokens, base, _ = generate(model_dir, prompts, "atomic", 1, max_tokens, threshold, **kw)
     report = {}
-    for mode in modes:
-        tokens, rec = generate(model_dir, prompts, mode, concurrency, max_tokens, threshold, **kw)
+    runs = [(mode, mode, None) for mode in modes] + [(f, "split", f) for f in features]
+    for name, mode, feature in runs:
+        tokens, rec, shown = generate(
+            model_dir, prompts, mode, concurrency, max_tokens, threshold, feature, **kw
+        )
         ids = [f"r{i}" for i in range(len(prompts))]
         same = [r for r in ids if tokens[r] == base_tokens[r]]
-        report[mode] = {
+        report[name] = {
             "identical_requests": len(same),
             "requests": len(ids),
             "first_differences": {
                 r: first_difference(rec, base, r, len(prompts[int(r[1:])])) for r in ids
             },
         }
+        if feature:
+            report[name]["exercised"] = shown
     return report
 
 
@@ -217,6 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="generation: the model shape (Huginn: atomic and split modes, whose "
                    "prefill is atomic)")  # fmt: skip
     p.add_argument("--prompts", type=int, default=16, help="generation: prompts per length")
+    p.add_argument("--features", nargs="*", default=[], choices=list(FEATURES),
+                   help="generation: run these features instead of the modes")  # fmt: skip
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape(args.shape, Path(tmp) / "model")
@@ -245,12 +315,13 @@ def _report_generation(model_dir, args, settings) -> dict:
         kw = {**settings, "kv_cache_memory_gb": 16.0}
         modes = ("atomic", "split") if args.shape.startswith("huginn") else tuple(MODES)
         report[str(length)] = generation_diagnostic(
-            model_dir, prompts, 8, args.max_tokens, args.exit_threshold, modes, **kw
-        )
+            model_dir, prompts, 8, args.max_tokens, args.exit_threshold,
+            () if args.features else modes, args.features, **kw,
+        )  # fmt: skip
         for mode, r in report[str(length)].items():
             firsts = [f for f in r["first_differences"].values() if f]
             print(f"{length} tokens, {mode}: {r['identical_requests']}/{r['requests']} identical;"
-                  f" first differing rows: {firsts[:4]}")  # fmt: skip
+                  f" first differing rows: {firsts[:4]}; ran: {r.get('exercised')}")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
     return report
