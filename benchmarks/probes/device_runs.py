@@ -106,6 +106,7 @@ def profile(args, c: int) -> dict:
         "output_tok_s": tokens / wall,
         "steps": steps,
         "invocations": counters["invocations"],
+        "rows_per_invocation": counters["rows_per_invocation"],
         "loops_per_token": counters["loops_per_token"],
         "gpu_busy_fraction": busy / total,
         "gpu_us_per_invocation": busy * 1e6 / max(counters["invocations"], 1),

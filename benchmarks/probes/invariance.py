@@ -285,12 +285,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="generation: the model shape (Huginn: atomic and split modes, whose "
                    "prefill is atomic)")  # fmt: skip
     p.add_argument("--prompts", type=int, default=16, help="generation: prompts per length")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's (fp8: e4m3)")
     p.add_argument("--features", nargs="*", default=[], choices=list(FEATURES),
                    help="generation: run these features instead of the modes")  # fmt: skip
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape(args.shape, Path(tmp) / "model")
         prompt, other, settings = gpu_case()
+        settings["kv_cache_dtype"] = args.kv_cache_dtype
         if args.generation:
             return _report_generation(model_dir, args, settings)
         report = {

@@ -63,13 +63,15 @@ def _check_every_schedule_equals_serial(model_dir, device, dtype, jobs, schedule
         assert kv_all_free(engine)
 
 
-def test_cpu_per_depth_states_are_the_same_bits(model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cpu_per_depth_states_are_the_same_bits(model_dir, kv_cache_dtype):
     # the GPU diagnostic (benchmarks/probes/invariance.py) on the tiny model, its slowest case
     # only (the interpreter is slow): every depth's states and the logits of a 13-token prompt
     # prefilled by WCPB beside another request are bitwise those of atomic prefill alone (the
-    # torch path differs there by ~1e-6)
+    # torch path differs there by ~1e-6), over the model's KV dtype and over FP8
     settings = dict(dtype="float32", device="cpu", attention_backend="auto", block_size=4,
-                    prefill_chunk_size=4, max_num_batched_tokens=8, num_kv_blocks=512)  # fmt: skip
+                    prefill_chunk_size=4, max_num_batched_tokens=8, num_kv_blocks=512,
+                    kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     report = invariance.diagnostic(
         model_dir, True, list(range(3, 16)), list(range(50, 55)), [("wcpb", True)], **settings
     )
@@ -77,12 +79,14 @@ def test_cpu_per_depth_states_are_the_same_bits(model_dir):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("enforce_eager", [False, True])
-def test_gpu_bf16_every_schedule_equals_serial(model_dir, enforce_eager):
+def test_gpu_bf16_every_schedule_equals_serial(model_dir, enforce_eager, kv_cache_dtype):
     jobs = random_jobs(random.Random(3), 12, vocab=256, depth=4, max_prompt=30)
     _check_every_schedule_equals_serial(
-        model_dir, "cuda", "bfloat16", jobs, SCHEDULES, enforce_eager=enforce_eager
-    )
+        model_dir, "cuda", "bfloat16", jobs, SCHEDULES, enforce_eager=enforce_eager,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
 
 
 def feature_jobs(seed: int, threshold: float, spacing: int) -> list[Job]:
