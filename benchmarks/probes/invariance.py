@@ -47,6 +47,7 @@ from vllm_rlt.core.sched.spec_planner import SpecPlanner
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models import registry
 from vllm_rlt.models.loader import read_config
+from vllm_rlt.models.tiny import default_model_dir
 from vllm_rlt.sampling_params import SamplingParams
 
 MODES = {
@@ -102,7 +103,7 @@ def prompt_states(model_dir, prompt, other, mode, beside, batch_invariant, **kw)
     """(per-depth states [D, P, H], logits [P, V]) of `prompt` run in `mode`, alone or beside a
     request for `other`, after every loop."""
     eng = LLMEngine(EngineConfig.from_kwargs(
-        model=str(model_dir), load_format="dummy", enforce_eager=True,
+        model=str(model_dir), enforce_eager=True,
         batch_invariant=batch_invariant, **MODES[mode], **kw,
     ))  # fmt: skip
     rec = StateRecorder(eng)
@@ -138,12 +139,13 @@ def diagnostic(
 
 
 def gpu_case() -> tuple[list[int], list[int], dict]:
-    """The diagnostic's prompt, the other request's and the engine settings on the GPU."""
+    """The diagnostic's prompt, the other request's and the engine settings on the GPU (dummy
+    weights)."""
     rng = random.Random(303)
     prompt = rng.choices(range(1000, 40000), k=303)
     other = rng.choices(range(1000, 40000), k=150)
     settings = {
-        "dtype": "bfloat16", "device": "cuda", "attention_backend": "auto",
+        "dtype": "bfloat16", "device": "cuda", "attention_backend": "auto", "load_format": "dummy",
         "prefill_chunk_size": 64, "max_num_batched_tokens": 128, "kv_cache_memory_gb": 4.0,
     }  # fmt: skip
     return prompt, other, settings
@@ -159,7 +161,7 @@ def generate(model_dir, prompts, mode, concurrency, max_tokens, threshold=None, 
         kw = {**kw, "exit_threshold": threshold}
     kw = {**kw, **settings(model_dir, prompts, max_tokens, kw.get("block_size", 16))}
     config = EngineConfig.from_kwargs(
-        model=str(model_dir), load_format="dummy", batch_invariant=True,
+        model=str(model_dir), batch_invariant=True,
         max_num_seqs=concurrency, **MODES[mode], **kw,
     )  # fmt: skip
     with _every_window_drafts(feature == "speculation"):
@@ -281,18 +283,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--exit-threshold", type=float, default=None,
                    help="generation: the requests' exit threshold (default: the shape's, 1.0: "
                    "fixed depth)")  # fmt: skip
-    p.add_argument("--shape", default="ouro-1.4b", choices=["ouro-1.4b", "huginn-0125"],
-                   help="generation: the model shape (Huginn: atomic and split modes, whose "
-                   "prefill is atomic)")  # fmt: skip
+    p.add_argument("--shape", default="ouro-1.4b", choices=["ouro-1.4b", "huginn-0125", "packaged"],
+                   help="generation: the model shape with dummy weights (Huginn: atomic and "
+                   "split modes, whose prefill is atomic), or the packaged model")  # fmt: skip
     p.add_argument("--prompts", type=int, default=16, help="generation: prompts per length")
     p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's (fp8: e4m3)")
     p.add_argument("--features", nargs="*", default=[], choices=list(FEATURES),
                    help="generation: run these features instead of the modes")  # fmt: skip
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_shape(args.shape, Path(tmp) / "model")
+        packaged = args.shape == "packaged"
+        model_dir = default_model_dir() if packaged else write_shape(args.shape, Path(tmp) / "m")
         prompt, other, settings = gpu_case()
         settings["kv_cache_dtype"] = args.kv_cache_dtype
+        if packaged:  # its own weights
+            settings["load_format"] = "auto"
         if args.generation:
             return _report_generation(model_dir, args, settings)
         report = {
@@ -312,7 +317,8 @@ def _report_generation(model_dir, args, settings) -> dict:
     report = {}
     for length in args.generation:
         rng = random.Random(length)
-        prompts = [rng.choices(range(1000, 40000), k=length) for _ in range(args.prompts)]
+        vocab = min(40000, read_config(model_dir).vocab_size)
+        prompts = [rng.choices(range(1000, vocab), k=length) for _ in range(args.prompts)]
         # 8 requests of up to 2,016 positions x 4 planes
         kw = {**settings, "kv_cache_memory_gb": 16.0}
         modes = ("atomic", "split") if args.shape.startswith("huginn") else tuple(MODES)
