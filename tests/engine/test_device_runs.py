@@ -132,15 +132,20 @@ def test_device_runs_compute_what_the_host_path_computes(model_dir, device, back
     assert steps[16] < steps[0] / 2
 
 
+def _arriving_jobs(seed: int) -> list[Job]:
+    """`_jobs` with longer prompts, arriving one after another."""
+    rng = random.Random(41)
+    return [
+        Job(j.req_id, j.prompt + rng.choices(range(256), k=rng.randint(5, 40)), j.params, 2 * i)
+        for i, j in enumerate(_jobs(seed))
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_runs_beside_prefill(model_dir, mode):
     """Requests arriving one after another, their prompts in prefill while others decode: the
     decode rows ride the prefill batches as device runs and compute what host decisions do."""
-    rng = random.Random(41)
-    jobs = [
-        Job(j.req_id, j.prompt + rng.choices(range(256), k=rng.randint(5, 40)), j.params, 2 * i)
-        for i, j in enumerate(_jobs(40 + len(mode)))
-    ]  # fmt: skip
+    jobs = _arriving_jobs(40 + len(mode))
     results = {}
     for loops in (0, 16):
         eng = make_engine(model_dir, max_num_seqs=6, exit_mode=mode, device_decode_loops=loops,
@@ -150,6 +155,34 @@ def test_runs_beside_prefill(model_dir, mode):
         assert kv_all_free(eng)
         assert (runs[2] >= 2) == bool(loops), runs
     _assert_same(eng, jobs, results[16], results[0], exact=True)
+
+
+@pytest.mark.parametrize("run_loops", [2, 3])
+def test_runs_shorter_than_a_tokens_loops(model_dir, run_loops):
+    """device_decode_loops below the model's depth: runs alone take at most that many
+    invocations, also while a prompt waits for its turn (before, one token's loops: longer
+    than asked), and runs beside prefill the prefill batch's loops, up to the depth (before,
+    more sample phases than the runs' buffers held: an IndexError); results as host decisions
+    give them."""
+    jobs = _arriving_jobs(43)
+    want = _run(make_engine(model_dir, max_num_seqs=3, device_decode_loops=0,
+                            prefill_chunk_size=16), jobs)  # fmt: skip
+    eng = make_engine(model_dir, max_num_seqs=3, device_decode_loops=run_loops,
+                      prefill_chunk_size=16)  # fmt: skip
+    loops, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if batch.decode_run is not None:
+            beside = len(batch.requests) > len(batch.decode_run.rows)
+            loops.append((beside, batch.loop_count))
+        return batch
+
+    eng.scheduler.schedule = recording
+    _assert_same(eng, jobs, _run(eng, jobs), want, exact=True)
+    assert kv_all_free(eng)
+    assert max(n for beside, n in loops if not beside) == run_loops
+    assert max(n for beside, n in loops if beside) == eng.num_loops > run_loops
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])

@@ -94,8 +94,9 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
     run_state = None  # device runs: only for decode rows whose prelude and coda attend nothing
     if sc.run_loops > 1 and not model.num_edge_planes:
+        # a run beside prefill takes the prefill batch's loops, up to the model's depth
         run_state = RunState(
-            sc.max_num_seqs, sc.run_loops, weight.shape[0], num_planes,
+            sc.max_num_seqs, max(sc.run_loops, num_loops), weight.shape[0], num_planes,
             -(-max_context // cc.block_size), model.state_size, weight.dtype, weight.device,
             lanes=run_lanes(max_drafts, num_loops) if spec_runs else 1,
         )  # fmt: skip

@@ -185,14 +185,16 @@ class RunPlanner:
         `device_decode_loops`, but one token's loops at full depth while a prompt waits for its
         prefill turn, or a request for a seat that a row may free within the run (R7): an
         arrival then waits no longer for its admission, nor a stream for its next tokens, than
-        at fixed depth. (`before`: tokens a row may take in the run in flight before it.)"""
+        at fixed depth (or `device_decode_loops`, if fewer). (`before`: tokens a row may take in
+        the run in flight before it.)"""
+        shorter = min(self.num_loops, self.max_loops)
         if any(r.in_prefill for r in running):
-            return self.num_loops
+            return shorter
         # a fresh run of n invocations takes at most n + 1 tokens a row (`_takes`; a carried
         # one's lanes live at its start are positions the run before counted)
         reach = before + self.max_loops + 1
         if waiting and any(self._may_end(r, reach) for r in reqs):
-            return self.num_loops
+            return shorter
         return self.max_loops
 
     @staticmethod
