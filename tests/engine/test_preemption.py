@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched
-from vllm_rlt.models.tiny import write_tiny_ouro
+from tests.engine.test_speculative_gate import _jobs as gate_jobs
+from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
 
 D = 4
@@ -113,3 +115,31 @@ def test_preemption_on_gpu(model_dir, backend):
     results = [run_workload(model_dir, s, "cuda", backend) for s in range(24)]
     assert sum(1 for p, _ in results if p) >= 12
     assert sum(t for _, t in results) <= 2
+
+
+def test_held_tokens_do_not_wait_for_a_request_preemption_keeps_taking():
+    """refill scheduling at fixed depth, tokens that exited wait for the others' (phase hold).
+    A resumed request whose recompute left no block for its next token was preempted as its
+    decode row was placed, admitted again and recomputed in the next step, and so on, while
+    the held requests waited for it: the engine never finished (found by fuzzing). Such a plan
+    is now made again without the preempted request."""
+    jobs = [
+        replace(j, params=replace(j.params, exit_threshold=1.0, min_loops=None, temperature=0.0))
+        for j in gate_jobs(3142, 9)
+    ]
+    kw = dict(block_size=4, scheduling_mode="refill", prefill_chunk_size=16,
+              max_num_batched_tokens=64)  # fmt: skip
+    solo = make_engine(default_model_dir(), max_num_seqs=1, **kw)
+    solo.eos_token_ids = (7, 11)
+    want = {}
+    for job in jobs:
+        want.update(run_batched(solo, [Job(job.req_id, job.prompt, job.params)]))
+    eng = make_engine(default_model_dir(), max_num_seqs=6, num_kv_blocks=160, **kw)
+    eng.eos_token_ids = (7, 11)
+    steps = itertools.count(1)
+
+    def bounded(_):
+        assert next(steps) <= 400, "the engine makes no progress"
+
+    assert run_batched(eng, jobs, check=bounded) == want
+    assert eng.scheduler.num_preemptions > 0 and kv_all_free(eng)

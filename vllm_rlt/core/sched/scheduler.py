@@ -179,12 +179,25 @@ class Scheduler:
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
-                decode_tasks, samples = self.decode.plan(self.running, budget)
-                run = self._run(decode_tasks)
-                tasks, loops = self._place(decode_tasks, [], samples, admitted, run)
+                tasks, loops, samples, run = self._decode_only(budget, admitted)
         batch = self._batch(tasks, loops, samples, run)
         self._flight = batch if run is not None else None
         return batch
+
+    def _decode_only(self, budget: int, admitted: dict):
+        """A batch of decode work alone: (tasks, loops, samples, run). When placing it preempts
+        every row it kept (the requests whose tokens had exited held for those rows, phase
+        hold), it is planned once more without them: else a request whose recompute leaves no
+        block for its next token would be admitted, prefilled and preempted again and again
+        while the held requests wait for it."""
+        preempted = self.num_preemptions
+        for _ in range(2):
+            decode_tasks, samples = self.decode.plan(self.running, budget)
+            run = self._run(decode_tasks)
+            tasks, loops = self._place(decode_tasks, [], samples, admitted, run)
+            if tasks or samples or self.num_preemptions == preempted:
+                break
+        return tasks, loops, samples, run
 
     def _carry(self) -> ExecutionBatch | None:
         """The run that goes on from the one in flight (device_runs.py `carry`), or None."""
