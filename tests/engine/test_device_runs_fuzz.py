@@ -19,11 +19,14 @@ from tests.engine.test_device_runs import MODES, _assert_same, _jobs, _run
 from tests.engine.test_speculative_gate import _jobs as _text_jobs
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 
-EXAMPLES = 6
-# no shrinking: an example takes about a second, and a failing one names its settings already
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                phases=(Phase.explicit, Phase.generate),
-                suppress_health_check=list(HealthCheck))  # fmt: skip
+
+def fuzz(examples: int):
+    """`examples` derandomized examples, without shrinking: an example takes about a second, and
+    a failing one names its settings already."""
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                    phases=(Phase.explicit, Phase.generate),
+                    suppress_health_check=list(HealthCheck))  # fmt: skip
+
 
 # what every engine of an example shares: the scheduling and cache settings
 SCHEDULING = st.fixed_dictionaries(
@@ -73,7 +76,7 @@ def _model_dir(tmp_path_factory):
 def test_device_runs_equal_host_decisions_under_any_settings(tmp_path_factory):
     model_dir = _model_dir(tmp_path_factory)
 
-    @FUZZ
+    @fuzz(6)
     @given(
         drawn=SCHEDULING,
         exit_mode=st.sampled_from(list(MODES)),
@@ -95,7 +98,7 @@ def test_device_runs_equal_host_decisions_under_any_settings(tmp_path_factory):
     check()
 
 
-@FUZZ
+@fuzz(4)  # (the packaged model: slower)
 @given(
     drawn=SCHEDULING,
     exit_mode=st.sampled_from(["ouro", "ouro_delayed"]),
