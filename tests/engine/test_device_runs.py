@@ -132,12 +132,12 @@ def test_device_runs_compute_what_the_host_path_computes(model_dir, device, back
     assert steps[16] < steps[0] / 2
 
 
-def _arriving_jobs(seed: int) -> list[Job]:
+def _arriving_jobs(seed: int, num: int = 8) -> list[Job]:
     """`_jobs` with longer prompts, arriving one after another."""
     rng = random.Random(41)
     return [
         Job(j.req_id, j.prompt + rng.choices(range(256), k=rng.randint(5, 40)), j.params, 2 * i)
-        for i, j in enumerate(_jobs(seed))
+        for i, j in enumerate(_jobs(seed, num))
     ]  # fmt: skip
 
 

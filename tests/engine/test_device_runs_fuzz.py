@@ -9,13 +9,11 @@ under-reserving KV blocks (test_speculative_gate.py)."""
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.engine.harness import Job, kv_all_free, make_engine
-from tests.engine.test_device_runs import MODES, _assert_same, _jobs, _run
+from tests.engine.harness import kv_all_free, make_engine
+from tests.engine.test_device_runs import MODES, _arriving_jobs, _assert_same, _run
 from tests.engine.test_speculative_gate import _jobs as _text_jobs
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 
@@ -54,16 +52,6 @@ def _engine_settings(drawn: dict) -> dict:
     return kw
 
 
-def _longer(jobs: list[Job], seed: int) -> list[Job]:
-    """`jobs` with up to 30 more prompt tokens each, arriving over the first few steps."""
-    rng = random.Random(seed)
-    return [
-        Job(j.req_id, j.prompt + rng.choices(range(256), k=rng.randint(0, 30)), j.params,
-            rng.choice([0, 0, 2, 5]))
-        for j in jobs
-    ]  # fmt: skip
-
-
 _MODEL: list = []
 
 
@@ -86,7 +74,7 @@ def test_device_runs_equal_host_decisions_under_any_settings(tmp_path_factory):
     )
     def check(drawn, exit_mode, run_loops, seed, num):
         kw = {**_engine_settings(drawn), "exit_mode": exit_mode, **MODES[exit_mode]}
-        jobs = _longer(_jobs(seed, num), seed)
+        jobs = _arriving_jobs(seed, num)
         results = {}
         for loops in (0, run_loops):
             eng = make_engine(model_dir, device_decode_loops=loops, **kw)

@@ -394,12 +394,11 @@ class Scheduler:
             prefill_tasks = self._plan_prefill(budget)
             if prefill_tasks:
                 return *self._place([], prefill_tasks, samples, admitted), None
-        decode_tasks, sampled = self.decode.plan(self.running, budget)
+        tasks, loops, sampled, run = self._decode_only(budget, admitted)
         samples += sampled
-        if decode_tasks:
+        if tasks:
             self._prefill_turn = True
-            run = self._run(decode_tasks)
-            return *self._place(decode_tasks, [], samples, admitted, run), run
+            return tasks, loops, run
         return *self._place([], self._plan_prefill(budget), samples, admitted), None
 
     def _loop_count(self, decode_tasks, prefill_tasks) -> int:
