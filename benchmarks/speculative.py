@@ -87,10 +87,16 @@ def stdlib_prompts(tokenizer, num: int, length: int, seed: int) -> list[list[int
 def timed_run(engine, prompts, output_len: int) -> dict:
     before = engine.stats_dict()
     records, wall = run_requests(engine, prompts, output_len)
-    return {
+    out = {
         "summary": summarize(records, wall),
         "engine": engine_counters(before, engine.stats_dict(), len(prompts)),
     }
+    governor = engine.scheduler.governor
+    if governor is not None:  # the measured fallback's rates so far, tokens/s by (load, mode)
+        out["governor_rates"] = {
+            f"{load}:{'on' if on else 'off'}": rate for (load, on), rate in governor.rates.items()
+        }
+    return out
 
 
 def run_packaged(args) -> list[dict]:

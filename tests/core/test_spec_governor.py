@@ -1,7 +1,10 @@
 """The measured fallback of speculation (`SpecGovernor`): phases of steps with and without
-speculation on a clock the test drives, per load, and revisits of the slower mode that grow."""
+speculation on a clock the test drives, per load, and revisits of the slower mode that grow;
+the time between steps (an idle engine) is not measured."""
 
 from __future__ import annotations
+
+import pytest
 
 from vllm_rlt.core.sched.spec_governor import (
     FIRST_REVISIT,
@@ -24,12 +27,17 @@ class Steps:
         self.gov = SpecGovernor(clock=lambda: self.now)
         self.modes: list[bool] = []  # the mode of every step
 
-    def run(self, steps: int, num_decoding: int = 4) -> None:
-        for _ in range(steps):
+    def run(self, steps: int, num_decoding: int = 4, idle_every: int = 0) -> None:
+        """`steps` steps; with `idle_every`, the engine is idle for a long time (no steps: no
+        requests, or another engine running) after every `idle_every`-th step."""
+        for i in range(steps):
             mode = self.gov.speculate
             self.modes.append(mode)
+            self.gov.begin()
             self.now += self.cost[mode]
             self.gov.observe(self.tokens[mode], num_decoding)
+            if idle_every and (i + 1) % idle_every == 0:
+                self.now += 1000.0
 
 
 def phases(modes: list[bool]) -> list[bool]:
@@ -69,6 +77,7 @@ def test_settle_steps_are_not_measured():
     gov = SpecGovernor(clock=lambda: float(len(seen)))
     seen: list[int] = []
     for i in range(PHASE):
+        gov.begin()
         seen.append(i)
         gov.observe(1000 if i < SETTLE_STEPS else 1, 1)
     assert gov.rates[1, True] == PHASE_STEPS / PHASE_STEPS  # 1 token per unit of time
@@ -81,3 +90,27 @@ def test_each_load_is_measured_on_its_own():
     s.run(1, num_decoding=8)  # a phase starts at a load not measured yet: speculation first
     assert s.gov.speculate is True
     assert (4, True) not in s.gov.rates
+
+
+def test_idle_time_between_steps_is_not_measured():
+    """An engine idle between steps (between requests, or while a benchmark runs another engine)
+    measures the steps alone: idle time inside a phase of the faster mode does not turn it off
+    (measured from the phase's start, the phase caught in it lost to the other mode)."""
+    s = Steps(cost={True: 1.2, False: 1.0}, tokens={True: 2, False: 1})
+    s.run(PHASE * 30, idle_every=PHASE * 3 + 7)  # some phases of each mode take an idle spell
+    got = phases(s.modes)
+    assert sum(not on for on in got) <= 3  # plain decoding: measured, revisited after 8, 16
+    assert s.gov.rates[3, True] == pytest.approx(2 / 1.2)
+    assert s.gov.rates[3, False] == pytest.approx(1.0)
+
+
+def test_steps_without_decoding_requests_are_not_measured():
+    """A step with no request decoding (a wave's prefill) neither starts nor advances a phase:
+    a phase begun there would decide the mode of the decoding that follows by a load of 0."""
+    s = Steps(cost={True: 3.0, False: 1.0}, tokens={True: 2, False: 1})
+    s.run(PHASE * 3)  # speculation measured slower at 4 decoding requests
+    assert s.gov.speculate is False
+    steps = s.gov.steps
+    s.run(PHASE * 2, num_decoding=0)
+    assert s.gov.speculate is False and s.gov.steps == steps
+    assert all(load > 0 for load, _ in s.gov.rates)

@@ -152,6 +152,8 @@ class Scheduler:
         """The next step's plan. While a device run is in flight (planned, its results not
         applied), the continuation of that run; when the plan cannot be one, the run's results
         are read back first (this waits for the device)."""
+        if self.governor is not None:
+            self.governor.begin()
         if self._flight is not None:
             carried = self._carry()
             if carried is not None:

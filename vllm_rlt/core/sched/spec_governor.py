@@ -8,11 +8,13 @@ time) and on how an invocation's cost grows with its rows. The governor measures
 after every step the scheduler reports the tokens it applied, and the governor runs phases of
 `PHASE_STEPS` steps, speculating or not, each after `SETTLE_STEPS` steps in which the windows of
 the phase before finish. A phase measures one mode at the load it starts at (decoding requests,
-in buckets of powers of two). Once both modes of a load are measured the faster one runs, and the
-slower one is measured again after `FIRST_REVISIT` phases, then after twice as many each time it
-is slower again (at most `MAX_REVISIT`), so a workload whose costs change is followed while a
-settled one spends almost no time in the slower mode. Outputs never
-depend on it: speculation is exact, the governor only decides when it runs.
+in buckets of powers of two; steps with none are not measured), over the time its steps take
+from plan to update: time in which the engine has nothing to do (between requests, or while
+another engine runs) is no step's. Once both modes of a load are measured the faster one runs,
+and the slower one is measured again after `FIRST_REVISIT` phases, then after twice as many each
+time it is slower again (at most `MAX_REVISIT`), so a workload whose costs change is followed
+while a settled one spends almost no time in the slower mode. Outputs never depend on it:
+speculation is exact, the governor only decides when it runs.
 """
 
 from __future__ import annotations
@@ -36,22 +38,29 @@ class SpecGovernor:
         self.load: int | None = None  # the load at the start of the phase in progress
         self.steps = 0  # steps of the phase in progress
         self.tokens = 0  # tokens its measured steps applied
-        self.start = 0.0  # clock at its first measured step
+        self.elapsed = 0.0  # the time its measured steps took
+        self.began = 0.0  # clock at the start of the step in progress
+
+    def begin(self) -> None:
+        """A step starts (the scheduler plans it)."""
+        self.began = self.clock()
 
     def observe(self, tokens: int, num_decoding: int) -> None:
         """A step applied `tokens` output tokens while `num_decoding` requests decode."""
-        load = num_decoding.bit_length()  # 0, 1, 2-3, 4-7, ...
+        if num_decoding == 0:  # nothing to speculate on: not measured
+            return
+        load = num_decoding.bit_length()  # 1, 2-3, 4-7, ...
         if self.steps == 0 and load != self.load:  # a phase starts at another load
             self.load, self.speculate = load, self._mode(load)
         self.steps += 1
         if self.steps == SETTLE_STEPS:
-            self.start, self.tokens = self.clock(), 0
+            self.tokens, self.elapsed = 0, 0.0
         elif self.steps > SETTLE_STEPS:
             self.tokens += tokens
+            self.elapsed += self.clock() - self.began
         if self.steps < SETTLE_STEPS + PHASE_STEPS:
             return
-        elapsed = self.clock() - self.start
-        rate = self.tokens / elapsed if elapsed > 0 else float("inf")
+        rate = self.tokens / self.elapsed if self.elapsed > 0 else float("inf")
         self.rates[self.load, self.speculate] = rate
         self._decide(self.load)
         self.steps = 0
