@@ -220,11 +220,15 @@ def test_wavefront_ring_is_sized_from_the_budget(model_dir, budget, slots):
     eng.add_request("a", list(range(40)), SamplingParams(max_tokens=1))  # 14 chunks
     peak = 0
     while eng.has_unfinished_requests():
-        eng.step()
-        for req in eng.scheduler.running:
-            peak = max(peak, eng.scheduler.planner.resident_chunks(req))
+        batch = eng.scheduler.schedule()  # (prefill alone: wavefront steps of D invocations)
+        for i in range(batch.loop_count):  # chunks with rows in each invocation
+            rows = [(t.token_start, t.num_tokens) for t, _ in batch.live(i, D)]
+            chunks = {p // 3 for start, n in rows for p in range(start, start + n)}
+            assert len(chunks) <= slots
+            peak = max(peak, len(chunks))
+        eng.scheduler.update(batch, eng.runner.execute(batch))
     assert eng.scheduler.planner.ring_slots == slots
-    assert peak == min(slots, 14)  # the ring fills, and never overflows (invariants check it)
+    assert peak == min(slots, 14)  # the ring fills, and never overflows
     assert eng.runner.states.ring_rows == slots * 3
 
 
@@ -239,11 +243,12 @@ def test_startup_rejects_wavefront_with_shared_kv_and_atomic_models(model_dir, m
 
 def test_trace_records_every_task(model_dir):
     eng = engine(
-        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4, max_num_batched_tokens=40
-    )
+        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4,
+        max_num_batched_tokens=40, enable_prefix_caching=False,  # (b's prompt is a's prefix)
+    )  # fmt: skip
     eng.stats.trace = []
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    run_batched(eng, [Job("a", list(range(20)), params), Job("b", list(range(9)), params, 1)])
+    run_batched(eng, [Job("a", list(range(20)), params), Job("b", list(range(9)), params)])
     prefill = [r for r in eng.stats.trace if r.kind == "prefill"]
     assert sum(r.num_tokens for r in prefill) == (20 + 9) * D
     assert len(eng.stats.trace) == eng.stats.tasks
@@ -287,17 +292,20 @@ def test_bf16_batch_invariant_states_are_the_same_bits(tmp_path):
 
 
 def checking_cap(eng: LLMEngine, cap: int, reached: list[int]) -> None:
-    """Wrap the engine's scheduler: every batch with decode rows holds <= cap prefill rows;
-    `reached` collects the prefill rows of the batches where decode rows met the cap."""
+    """Wrap the engine's scheduler: every invocation with decode rows holds <= cap prefill
+    rows; `reached` collects the prefill rows of the invocations where decode rows met the
+    cap."""
     schedule = eng.scheduler.schedule
 
     def checked_schedule():
         batch = schedule()
-        decode = sum(t.kind is RowKind.DECODE for t in batch.requests)
-        prefill = sum(t.num_tokens for t in batch.requests if t.kind is RowKind.PREFILL)
-        assert not decode or prefill <= cap, (decode, prefill, cap)
-        if decode and prefill == cap:
-            reached.append(prefill)
+        for i in range(batch.loop_count):
+            live = [t for t, _ in batch.live(i, D)]
+            decode = sum(t.kind is RowKind.DECODE for t in live)
+            prefill = sum(t.num_tokens for t in live if t.kind is RowKind.PREFILL)
+            assert not decode or prefill <= cap, (decode, prefill, cap)
+            if decode and prefill == cap:
+                reached.append(prefill)
         return batch
 
     eng.scheduler.schedule = checked_schedule
@@ -311,7 +319,8 @@ def test_prefill_cap_beside_decode_rows_changes_no_result(model_dir):
         jobs, settings = workload(seed)
         cap = random.Random(seed).randint(1, 4)
         want = serial(model_dir, jobs)
-        # (host-decided exits: gate-reading decode rows of device runs never ride prefill)
+        # (host-decided exits, which ride prefill at every R7 setting here: device runs ride
+        # only where decode and prefill are not apart, test_device_runs_ride_wavefront_steps)
         eng = engine(
             model_dir, wavefront_chunked_prefill=True, max_prefill_rows_with_decode=cap,
             device_decode_loops=0, **settings,
@@ -351,3 +360,40 @@ def test_ride_limit_changes_no_result(model_dir):
         assert compare(eng, jobs, got, want, "last_exited") == 0
         assert kv_all_free(eng)
     assert held  # the limit held prefill back, not merely never met
+
+
+def test_device_runs_ride_wavefront_steps(one_layer_dir):
+    """Gate exits under WCPB: the decode rows ride the prompts' wavefront steps as device runs
+    (several invocations per step, each with a plan of its own under the prefill cap beside
+    decode rows, exit decisions and sampling on the device), and every request's tokens and
+    exit depths equal serial generation."""
+    rng = random.Random(5)
+    jobs = [
+        Job(f"r{i}", rng.choices(range(256), k=rng.randint(10, 40)), SamplingParams(
+            max_tokens=10, temperature=rng.choice([0.0, 1.0]), seed=i, exit_threshold=0.5,
+            ignore_eos=True,
+        ), arrival_step=3 * i)
+        for i in range(4)
+    ]  # fmt: skip
+    want = serial(one_layer_dir, jobs)
+    eng = engine(
+        one_layer_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4,
+        max_num_batched_tokens=16, max_num_seqs=4, max_prefill_rows_with_decode=6,
+    )  # fmt: skip
+    reached: list[int] = []
+    checking_cap(eng, 6, reached)
+    schedule, ridden = eng.scheduler.schedule, []
+
+    def recording_schedule():
+        batch = schedule()
+        steps = {t.invocation for t in batch.requests if t.kind is RowKind.PREFILL}
+        if batch.decode_run is not None and len(steps) > 1:
+            ridden.append(batch.loop_count)
+        return batch
+
+    eng.scheduler.schedule = recording_schedule
+    got = run_batched(eng, jobs, check=invariants)
+    assert compare(eng, jobs, got, want, "last_exited") == 0
+    assert kv_all_free(eng)
+    assert ridden and max(ridden) == D  # runs rode wavefront steps, up to D invocations long
+    assert reached

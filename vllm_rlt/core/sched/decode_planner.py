@@ -42,7 +42,7 @@ class DecodePlanner:
             return self.spec.loops_to_decision(req.spec)
         return self.exit_policy.loops_to_decision(req.decode, req.exit)
 
-    def apart(self, running: list[Request], limit: int, runs: bool, single_loop: bool) -> bool:
+    def apart(self, running: list[Request], limit: int, runs: bool) -> bool:
         """R7 (docs/design/scheduler.md §2): whether decode rows and prefill tasks run in
         separate batches now, because a prompt in prefill is longer than `limit` or a decoding
         request is past it. A mixed invocation lasts as long as its longest-context tile
@@ -50,18 +50,11 @@ class DecodePlanner:
         split), so riding decode rows would pay for the long context at every loop and long
         decode rows would hold up the prefill rows. Only when every decoding token runs a fixed
         number of loops, so that a decode step can run all of them at once, or with device
-        `runs`, which take the other tokens' decisions on the device. Prefill batches of one
-        loop (`single_loop`: WCPB) give a run nothing to ride: then whenever a decoding token
-        reads its gate, its decode steps run as device runs instead of one host decision per
-        loop beside each prefill batch."""
+        `runs`, which take the other tokens' decisions on the device."""
         decoding = self.decoding(running)
         prefilling = [r for r in running if r.in_prefill]
-        if not decoding or not prefilling:
+        if not decoding or not prefilling or not runs and not self.fixed_loops(decoding):
             return False
-        if not self.fixed_loops(decoding) and (not runs or single_loop):
-            return runs and any(
-                self.exit_policy.reads_gate(r.decode or DecodeToken(0, 0), r.exit) for r in decoding
-            )
         return any(r.prefill_len > limit for r in prefilling) or any(
             r.num_tokens > limit for r in decoding
         )
@@ -91,11 +84,15 @@ class DecodePlanner:
         (counted only while a ride limit is in force)."""
         if config.prefill_rows_per_decode_token is None:
             return
-        prefill = sum(t.num_tokens for t in tasks if t.kind is RowKind.PREFILL)
+        prefill = sum(
+            t.num_tokens * (loops if t.invocation < 0 else 1)  # (a wavefront step's: one loop)
+            for t in tasks
+            if t.kind is RowKind.PREFILL
+        )
         for t in tasks:
             tok = requests[t.request_id].decode if t.kind is RowKind.DECODE else None
             if tok is not None:
-                tok.prefill_rows_ridden += prefill * loops
+                tok.prefill_rows_ridden += prefill
 
     def plan(self, running: list[Request], budget: int) -> tuple[list[ScheduledRequest], list[str]]:
         """One row per decoding request (the newest token at its next depth), and the requests

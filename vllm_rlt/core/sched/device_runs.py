@@ -32,7 +32,7 @@ from vllm_rlt.core.sched.execution_batch import (
     ScheduledRequest,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy, TraceExit
-from vllm_rlt.core.sched.kv_demand import kv_demand
+from vllm_rlt.core.sched.kv_demand import kv_demand, reserve
 from vllm_rlt.core.sched.lane_rule import LaneRule, run_lanes
 from vllm_rlt.core.sched.spec_governor import SpecGovernor, speculation_on
 from vllm_rlt.request import DecodeToken, Request
@@ -218,12 +218,7 @@ class RunPlanner:
             end = min(r.decode.position + loops, r.max_positions)
             for plane in range(self.kv.num_loop_planes):
                 need[r.request_id, plane] = max(need.get((r.request_id, plane), 0), end)
-        lacking = sum(self.kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
-        if lacking > self.kv.num_free_blocks:
-            return False
-        for (req_id, plane), end in need.items():
-            self.kv.allocate(req_id, plane, end)
-        return True
+        return reserve(self.kv, need)
 
     def _work(self, req: Request) -> int:
         """The most invocations the request's row can use: its token's remaining loops, then

@@ -4,11 +4,12 @@ A step runs, in order: the skipped-depth KV copies, the coda + sampling of `samp
 then `loop_count` recurrent-core invocations over `requests`, each after the draft samples of
 speculative windows (`drafts`) due before it, then the acceptance of the windows verified
 (`verifies`). Each invocation advances every live row one depth; a prefill task's rows drop out
-after their last depth (D-1, or the task's `loops` - 1), and a drafting window's row moves to the
-window's next position at depth 0 after each position's draft loops, and after the last one's to
-the verify rows of every position (`ExecutionBatch.live`). Decode and window rows run every
-invocation of their batch: the scheduler gives a batch with such rows more than one loop only
-when none of them reaches a decision before the last.
+after their last depth (D-1, or the task's `loops` - 1), a task of a wavefront step of several
+invocations runs in its own invocation only (`ScheduledRequest.invocation`), and a drafting
+window's row moves to the window's next position at depth 0 after each position's draft loops,
+and after the last one's to the verify rows of every position (`ExecutionBatch.live`). Decode
+and window rows run every invocation of their batch: the scheduler gives a batch with such rows
+more than one loop only when none of them reaches a decision before the last.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class ScheduledRequest:
     # prefill rows: the loops they run in all, after which they drop out (0: the model's depth
     # D; a Huginn request's prompt runs its max_loops)
     loops: int = 0
+    # a task of a wavefront step of several invocations (docs/design/wcpb.md §2): it runs one
+    # loop, at `depth`, in this invocation of the batch only (-1: from the first invocation on,
+    # one depth further in each)
+    invocation: int = -1
 
     @property
     def most_rows(self) -> int:
@@ -211,13 +216,17 @@ class ExecutionBatch:
     def live(self, invocation: int, num_loops: int) -> tuple[tuple[ScheduledRequest, int], ...]:
         """(task, depth) of the tasks with rows in invocation `invocation` (0-based) of a
         depth-`num_loops` model: every task at `depth + invocation` until its final depth
-        (decode rows never get that far in one batch); a drafting row moved on to the position
-        it runs there (`ScheduledRequest.at`); a device run's rows in every invocation, at the
-        depth they were planned at (the device knows the rest)."""
+        (decode rows never get that far in one batch); a task of a wavefront step in its own
+        invocation; a drafting row moved on to the position it runs there
+        (`ScheduledRequest.at`); a device run's rows in every invocation, at the depth they were
+        planned at (the device knows the rest)."""
         riders = len(self.decode_run.rows) if self.decode_run is not None else 0
         rows = [(t, t.depth) for t in self.requests[:riders]]
         for t in self.requests[riders:]:
-            if t.draft_loops:
+            if t.invocation >= 0:
+                if t.invocation == invocation:
+                    rows.append((t, t.depth))
+            elif t.draft_loops:
                 t = t.at(invocation)
                 rows.append((t, t.depth))
             elif t.depth + invocation < (t.loops or num_loops):

@@ -16,8 +16,8 @@ def kv_demand(
 ) -> dict[tuple[str, int], int]:
     """(request, plane) -> the positions [0, end) there that `loops` invocations of `tasks`
     write (each task in the planes of the depths it runs, at depth 0 also the edge planes, at the
-    positions it runs them: a drafting window's row moves on), and the skipped planes that the
-    `exits` (request, position, last depth) copy into."""
+    positions it runs them: a drafting window's row moves on; a wavefront step's task runs one
+    loop), and the skipped planes that the `exits` (request, position, last depth) copy into."""
     need: dict[tuple[str, int], int] = {}
 
     def write(req_id: str, planes, end: int) -> None:
@@ -30,9 +30,24 @@ def kv_demand(
             for row in map(t.at, range(loops)):
                 write(t.request_id, kv.planes_written(row.depth), row.token_start + row.num_tokens)
             continue
-        depths = range(t.depth, min(t.loops or num_loops, t.depth + loops))
+        span = 1 if t.invocation >= 0 else loops  # (a wavefront step's task: one loop)
+        depths = range(t.depth, min(t.loops or num_loops, t.depth + span))
         planes = (p for d in depths for p in kv.planes_written(d))
         write(t.request_id, planes, t.token_start + t.num_tokens)
     for req_id, pos, depth in exits:
         write(req_id, range(depth + 1, kv.num_loop_planes), pos + 1)
     return need
+
+
+def lacking(kv: KVCacheManager, need: dict[tuple[str, int], int]) -> int:
+    """Blocks `need` ((request, plane) -> end) takes beyond those its requests hold."""
+    return sum(kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
+
+
+def reserve(kv: KVCacheManager, need: dict[tuple[str, int], int]) -> bool:
+    """Allocate `need` when its blocks fit in the free ones; False (nothing allocated) else."""
+    if lacking(kv, need) > kv.num_free_blocks:
+        return False
+    for (req_id, plane), end in need.items():
+        kv.allocate(req_id, plane, end)
+    return True

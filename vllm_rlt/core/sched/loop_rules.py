@@ -12,14 +12,16 @@
       (its planes must be written first): one loop;
   R4. latency rule `max_prefill_stall_loops`: a batch runs at most that many loops, so new
       arrivals are admitted within that many loops;
-  R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: one loop.
+  R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: each invocation
+      has a plan of its own, one loop (`LoopRules` counts one). Where nothing waits for the
+      step's end (no request decodes) or the decode rows ride it as a device run, the
+      scheduler plans up to D such invocations as one wavefront step (`wavefront_step.py`).
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
   R7. decode apart from long prefill (`DecodePlanner.apart`, planned by the scheduler's
       `_take_turn`): while a prompt in prefill or a decoding position is past
-      `max_context_with_decode` (always, for a model that needs atomic prefill; with device
-      runs, while a decoding token reads its gate), decode-only steps, which run to the first
-      exit decision (R1 even with prompts in prefill) or as device runs, and prefill-only
-      batches of the whole budget (R2-R6) take turns.
+      `max_context_with_decode` (always, for a model that needs atomic prefill), decode-only
+      steps, which run to the first exit decision (R1 even with prompts in prefill) or as
+      device runs, and prefill-only batches of the whole budget (R2-R6) take turns.
 
 Speculative windows (`SpecPlanner`, docs/design/speculative.md) plan their rows with the decode
 rows; a drafting row moves to its window's next position every d loops (`DraftSample`s).

@@ -21,7 +21,8 @@ Two strategies share that machinery and differ in ring size and task order:
   request per round, rounds in queue order: requests share the rows left for new chunks, so
   requests admitted together progress together (as under Split) rather than one after the other,
   which would leave the early ones decoding beside the others' prefill chunks.
-  Regrouping happens at every depth boundary, so its batches run one loop.
+  Regrouping happens at every depth boundary, so each invocation has a plan of its own; the
+  scheduler may plan several as one step (`wavefront_step.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _ENTRY = None  # marks a request's depth-0 entry of new positions among the cand
 
 class _ChunkedPlanner:
     ring_slots: int
-    single_loop: bool  # batches with prefill tasks from this planner run one loop
+    single_loop: bool  # each invocation has a plan of its own (one loop; a wavefront step)
 
     def __init__(self, chunk_size: int, num_loops: int):
         self.chunk_size = chunk_size

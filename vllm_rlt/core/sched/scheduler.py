@@ -41,12 +41,13 @@ from vllm_rlt.core.sched.execution_batch import (
     split_kinds,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
-from vllm_rlt.core.sched.kv_demand import kv_demand
+from vllm_rlt.core.sched.kv_demand import kv_demand, lacking, reserve
 from vllm_rlt.core.sched.loop_rules import LoopRules
 from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner, make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.core.sched.spec_governor import SpecGovernor
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
+from vllm_rlt.core.sched.wavefront_step import wavefront_step
 from vllm_rlt.request import DecodeToken, Request, RequestStatus
 
 
@@ -100,6 +101,9 @@ class Scheduler:
         self._order: dict[str, int] = {}  # request -> arrival rank (ties of arrival_time)
         self._ranks = itertools.count()
         self._apart_now = False  # R7 holds in this step
+        # a wavefront step of several invocations was planned in this step: the exits of its
+        # last (its prefill progress is applied as it is planned); None: none was
+        self._stepped: list[tuple[str, int, int]] | None = None
         self._prefill_turn = False  # under R7: the next batch is prefill's
         self._flight: ExecutionBatch | None = None  # the last device run, its results not applied
         # the runner's answers whose tokens are not read yet: with async scheduling the last
@@ -154,6 +158,7 @@ class Scheduler:
         are read back first (this waits for the device)."""
         if self.governor is not None:
             self.governor.begin()
+        self._stepped = None
         if self._flight is not None:
             carried = self._carry()
             if carried is not None:
@@ -165,8 +170,7 @@ class Scheduler:
         run = None  # a device run over the decode tasks (device_runs.py)
         mixed = self.config.scheduling_mode == "mixed"
         limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
-        runs, single_loop = self.runs.enabled, self.planner.single_loop
-        self._apart_now = mixed and self.decode.apart(self.running, limit, runs, single_loop)
+        self._apart_now = mixed and self.decode.apart(self.running, limit, self.runs.enabled)
         if self._apart_now:
             tasks, loops, run = self._take_turn(budget, samples, admitted)
         elif mixed:
@@ -176,14 +180,20 @@ class Scheduler:
             cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
             prefill_budget = prefill_budget if cap is None else min(prefill_budget, cap)
             prefill_tasks = self._plan_prefill(prefill_budget)
-            tasks, loops, run = self._mixed(decode_tasks, prefill_tasks, samples, admitted)
+            tasks, loops, run = self._mixed(
+                decode_tasks, prefill_tasks, samples, admitted, prefill_budget
+            )
             self.decode.record_ride(tasks, self.requests, loops, self.config)
         else:  # refill / no_refill: a batch holds prefill work or decode work, not both
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
                 tasks, loops, samples, run = self._decode_only(budget, admitted)
+        alone = tasks and not samples and not self.decode.decoding(self.running)
+        if self.planner.single_loop and self._stepped is None and alone:
+            tasks, loops = self._wavefront(tasks, budget)  # prefill alone: nobody waits for it
         batch = self._batch(tasks, loops, samples, run)
         self._flight = batch if run is not None else None
+        self._progress(batch)
         return batch
 
     def _decode_only(self, budget: int, admitted: dict):
@@ -311,26 +321,33 @@ class Scheduler:
             decode_tasks, self.requests, self.running, self._exits, beside, bool(self.waiting)
         )
 
-    def _mixed(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict):
+    def _mixed(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict, budget):
         """A mixed batch: decode rows ride the prefill tasks' invocations. Rows that would run
-        as a device run (gate readers) do so for the prefill batch's loops (R2-R6) when it runs
-        at least two; otherwise every row runs one loop on the host's decisions (R1). Returns
-        the tasks, their loop count and the run (or None)."""
+        as a device run (gate readers) do so for the prefill batch's loops (R2-R6; under WCPB a
+        wavefront step of several invocations, each planned under `budget` prefill rows) when
+        it runs at least two; otherwise every row runs one loop on the host's decisions (R1).
+        Returns the tasks, their loop count and the run (or None)."""
         if not prefill_tasks:
             run = self._run(decode_tasks)
             return *self._place(decode_tasks, [], samples, admitted, run), run
         wanted = self.runs.wanted(decode_tasks, self.requests)
-        if not wanted or self._loop_count([], prefill_tasks) < 2:
+        wave = wanted and self.planner.single_loop
+        if not wanted or not wave and self._loop_count([], prefill_tasks) < 2:
             return *self._place(decode_tasks, prefill_tasks, samples, admitted), None
         tasks, loops = self._place([], prefill_tasks, samples, admitted)
         running = RequestStatus.RUNNING  # (not preempted by the prefill's placement)
         decode_tasks = [t for t in decode_tasks if self.requests[t.request_id].status is running]
         if not tasks:  # the placement preempted every prefill task's request
-            return self._mixed(decode_tasks, [], samples, admitted)
+            return self._mixed(decode_tasks, [], samples, admitted, budget)
+        if wave:
+            tasks, loops = self._wavefront(tasks, budget)
         run = self._run(decode_tasks, loops)
-        if run is None:  # the run's blocks do not fit (or victims left one loop): rows wait
-            return tasks, loops, None
-        return decode_tasks + tasks, loops, run
+        if run is not None:
+            return decode_tasks + tasks, loops, run
+        need = kv_demand(self.kv, decode_tasks, 1, [], self.num_loops)
+        if loops == 1 and reserve(self.kv, need):  # one loop: the rows run it on the host's
+            return decode_tasks + tasks, loops, None
+        return tasks, loops, None  # the run's blocks do not fit: the rows wait
 
     def _place(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict, run=None):
         """Allocate the blocks the plan writes, preempting requests while they do not fit;
@@ -342,11 +359,11 @@ class Scheduler:
         loops = self._loop_count(decode_tasks, prefill_tasks)
         while True:
             need = kv_demand(self.kv, tasks, loops, self._exits, self.num_loops)
-            lacking = sum(self.kv.num_new_blocks(r, p, end) for (r, p), end in need.items())
-            if lacking <= self.kv.num_free_blocks:
+            short = lacking(self.kv, need)
+            if short <= self.kv.num_free_blocks:
                 break
             if not self.running:
-                raise RuntimeError(f"the KV cache cannot hold one step's work ({lacking} blocks)")
+                raise RuntimeError(f"the KV cache cannot hold one step's work ({short} blocks)")
             victim = max(self.running, key=self._victim_key)
             self._preempt(victim, victim.request_id in samples, admitted.get(victim.request_id))
             tasks = [t for t in tasks if t.request_id != victim.request_id]
@@ -402,6 +419,35 @@ class Scheduler:
             self._prefill_turn = True
             return tasks, loops, run
         return *self._place([], self._plan_prefill(budget), samples, admitted), None
+
+    def _wavefront(self, tasks, budget: int):
+        """A WCPB batch's prefill `tasks` (placed) as the first invocation of a wavefront step
+        of up to D invocations (fewer under R4's stall bound; `wavefront_step.py`). Returns the
+        tasks and the loop count."""
+        stall = self.config.max_prefill_stall_loops
+        limit = self.num_loops if stall is None else min(self.num_loops, stall)
+        args = (self.planner, self.kv, self.requests, self.running, tasks, budget, limit)
+        tasks, loops, self._stepped = wavefront_step(*args)
+        return tasks, loops
+
+    def _progress(self, batch: ExecutionBatch) -> None:
+        """The prefill progress of the planned `batch`, applied as it is planned (it needs no
+        output): pieces advance and finished chunks leave the ring (a wavefront step's already
+        did, as it was planned), the prompt's finished blocks become prefix-cache entries (the
+        device writes them before any later step reads them), and a finished prefill starts
+        decoding. The skipped-depth copies of recomputed positions that left early go with the
+        next batch."""
+        if self._stepped is not None:
+            self._exits += self._stepped
+        for req_id, tasks in by_request(batch.requests, RowKind.PREFILL).items():
+            req = self.requests[req_id]
+            if self._stepped is None:
+                _, exits = self.planner.advance(req, tasks, batch.loop_count)
+                self._exits += [(req_id, pos, depth) for pos, depth in exits]
+            prompt_done = min(req.prefill_reclaimable_tokens, req.num_prompt_tokens)
+            self.kv.cache_prompt(req_id, req.prompt_token_ids, prompt_done)
+            if not req.in_prefill:
+                self._start_decoding(req)
 
     def _loop_count(self, decode_tasks, prefill_tasks) -> int:
         return self.loop_rules.count(
@@ -476,9 +522,9 @@ class Scheduler:
         self._apply_run(batch, results)
 
     def _advance(self, batch: ExecutionBatch, decode_gate_logits: tuple[float, ...]) -> None:
-        """The step's loops: decode tokens' depths and exit decisions (`decode_gate_logits`: of
-        the rows that `reads_gate`, in plan order), prefill progress. Needs no sampled token, so
-        the next step can be scheduled before they are read back."""
+        """The step's loops over decode tokens: their depths and exit decisions
+        (`decode_gate_logits`: of the rows that `reads_gate`, in plan order). Needs no sampled
+        token, so the next step can be scheduled before they are read back."""
         gates = iter(decode_gate_logits)
         for task in batch.requests:
             if task.kind is RowKind.PREFILL or batch.decode_run is not None:
@@ -489,16 +535,6 @@ class Scheduler:
                 self._after_loops(req, gate, batch.loop_count)
             elif req is not None and req.spec is not None:
                 self.spec.advance(req.spec, batch.loop_count)
-        for req_id, tasks in by_request(batch.requests, RowKind.PREFILL).items():
-            req = self.requests.get(req_id)
-            if req is None:
-                continue
-            done, exits = self.planner.advance(req, tasks, batch.loop_count)
-            self._exits += [(req_id, pos, depth) for pos, depth in exits]
-            prompt_done = min(req.prefill_reclaimable_tokens, req.num_prompt_tokens)
-            self.kv.cache_prompt(req_id, req.prompt_token_ids, prompt_done)
-            if done:
-                self._start_decoding(req)
 
     def _start_decoding(self, req: Request) -> None:
         """After the prefill: the first token comes from the prompt's last depth; a resumed request
