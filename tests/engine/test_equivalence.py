@@ -138,7 +138,7 @@ def test_sampling_is_seeded_and_batch_invariant(model_dir):
 def test_phase_hold_changes_no_result(model_dir, wavefront):
     """Fixed-depth requests arriving at different steps get out of phase, so the scheduler holds
     exited tokens (`DecodePlanner.phase_hold`); results still equal serial generation."""
-    rng = random.Random(11)
+    rng = random.Random(7)
     jobs = []
     for i in range(6):
         params = SamplingParams(

@@ -220,15 +220,11 @@ def test_wavefront_ring_is_sized_from_the_budget(model_dir, budget, slots):
     eng.add_request("a", list(range(40)), SamplingParams(max_tokens=1))  # 14 chunks
     peak = 0
     while eng.has_unfinished_requests():
-        batch = eng.scheduler.schedule()  # (prefill alone: wavefront steps of D invocations)
-        for i in range(batch.loop_count):  # chunks with rows in each invocation
-            rows = [(t.token_start, t.num_tokens) for t, _ in batch.live(i, D)]
-            chunks = {p // 3 for start, n in rows for p in range(start, start + n)}
-            assert len(chunks) <= slots
-            peak = max(peak, len(chunks))
-        eng.scheduler.update(batch, eng.runner.execute(batch))
+        eng.step()
+        for req in eng.scheduler.running:
+            peak = max(peak, eng.scheduler.planner.resident_chunks(req))
     assert eng.scheduler.planner.ring_slots == slots
-    assert peak == min(slots, 14)  # the ring fills, and never overflows
+    assert peak == min(slots, 14)  # the ring fills, and never overflows (invariants check it)
     assert eng.runner.states.ring_rows == slots * 3
 
 
@@ -243,12 +239,11 @@ def test_startup_rejects_wavefront_with_shared_kv_and_atomic_models(model_dir, m
 
 def test_trace_records_every_task(model_dir):
     eng = engine(
-        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4,
-        max_num_batched_tokens=40, enable_prefix_caching=False,  # (b's prompt is a's prefix)
-    )  # fmt: skip
+        model_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4, max_num_batched_tokens=40
+    )
     eng.stats.trace = []
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    run_batched(eng, [Job("a", list(range(20)), params), Job("b", list(range(9)), params)])
+    run_batched(eng, [Job("a", list(range(20)), params), Job("b", list(range(9)), params, 1)])
     prefill = [r for r in eng.stats.trace if r.kind == "prefill"]
     assert sum(r.num_tokens for r in prefill) == (20 + 9) * D
     assert len(eng.stats.trace) == eng.stats.tasks

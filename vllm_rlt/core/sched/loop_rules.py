@@ -13,9 +13,9 @@
   R4. latency rule `max_prefill_stall_loops`: a batch runs at most that many loops, so new
       arrivals are admitted within that many loops;
   R5. wavefront prefill (WCPB) regroups ready tasks at every depth boundary: each invocation
-      has a plan of its own, one loop (`LoopRules` counts one). Where nothing waits for the
-      step's end (no request decodes) or the decode rows ride it as a device run, the
-      scheduler plans up to D such invocations as one wavefront step (`wavefront_step.py`).
+      has a plan of its own, one loop (`LoopRules` counts one). Where the decode rows ride the
+      batch as a device run, the scheduler plans up to D such invocations as one wavefront
+      step (`wavefront_step.py`).
   R6. a recomputed output position leaves its piece at its recorded depth: a batch ends there.
   R7. decode apart from long prefill (`DecodePlanner.apart`, planned by the scheduler's
       `_take_turn`): while a prompt in prefill or a decoding position is past

@@ -188,9 +188,6 @@ class Scheduler:
             tasks, loops = self._place([], self._plan_prefill(budget), samples, admitted)
             if not tasks:  # no prefill work, or preemption took all of it
                 tasks, loops, samples, run = self._decode_only(budget, admitted)
-        alone = tasks and not samples and not self.decode.decoding(self.running)
-        if self.planner.single_loop and self._stepped is None and alone:
-            tasks, loops = self._wavefront(tasks, budget)  # prefill alone: nobody waits for it
         batch = self._batch(tasks, loops, samples, run)
         self._flight = batch if run is not None else None
         self._progress(batch)

@@ -2,10 +2,11 @@
 
 WCPB regroups ready (chunk, depth) tasks at every depth boundary, so each invocation has a plan
 of its own. Which tasks are ready never depends on what an invocation computes (prefill rows
-take no exit decision), so the scheduler plans several invocations at once: after each one's
-tasks it applies their loop to the requests' prefill state (`_ChunkedPlanner.advance`, as the
-step's end would) and plans the next from there. The step's tasks carry their invocation
-(`ScheduledRequest.invocation`) and the runner runs them with no host decision between.
+take no exit decision), so where decode rows ride the prefill as a device run the scheduler
+plans several invocations at once: after each one's tasks it applies their loop to the
+requests' prefill state (`_ChunkedPlanner.advance`, as the step's end would) and plans the next
+from there. The step's tasks carry their invocation (`ScheduledRequest.invocation`) and the
+runner runs them, the run's rows riding each, with no host decision between.
 
 A step ends before an invocation when `limit` invocations are planned, when no task is ready,
 when its blocks do not fit without preempting (its new chunks are withdrawn), or after an
