@@ -3,9 +3,10 @@ Ouro-1.4B) under each exit configuration, with decode rows deciding their exits 
 after every loop (`device_decode_loops` 0) and in device runs (docs/design/runner.md §7).
 
 For each concurrency c: 2c requests of `--prompt-len` random token ids and `--output-len`
-forced outputs submitted at once to an engine of max_num_seqs = c (budget 2,048, chunk 512,
-mixed scheduling, CUDA graphs, async scheduling, no prefix caching: the configurations that
-share an engine run the same prompts). Exit configurations:
+forced outputs submitted at once to an engine of max_num_seqs = c (budget 2,048, chunk
+`--chunk-size` (512), mixed scheduling (`--wavefront-chunked-prefill`: WCPB), CUDA graphs, async
+scheduling, no prefix caching: the configurations that share an engine run the same prompts).
+Exit configurations (`--configs`; fixed depth always runs, on the host path):
 
 - `fixed`: exit threshold 1 (every token runs every loop; device runs never start);
 - `gate-full`: threshold `--threshold` and min_loops = the depth: every gate is read, every
@@ -52,20 +53,30 @@ CONFIGS = {
 PATHS = {"host": 0, "device": None}  # device_decode_loops (None: --device-loops)
 
 
+def cells(args) -> list[tuple[str, str]]:
+    """(configuration, path) of the runs: `--configs` x `--paths`, and fixed depth on the host
+    path, the yardstick (its device path is the same engine work: no run starts)."""
+    chosen = [(name, path) for name in args.configs for path in args.paths]
+    return [("fixed", "host")] + [c for c in chosen if c[0] != "fixed"]
+
+
 def make_engines(args, model_dir: Path, concurrency: int) -> dict[tuple[str, str], LLMEngine]:
-    """(exit mode, path) -> an engine, all on one set of weights."""
+    """(exit mode, path) -> an engine for each of the runs' (and fixed depth's), all on one
+    set of weights."""
     loaded = load_model(model_dir, dtype=args.dtype, load_format="dummy")
     engines = {}
-    for mode in dict.fromkeys(m for m, _ in CONFIGS.values()):
-        for path, loops in PATHS.items():
-            config = EngineConfig.from_kwargs(
-                model=str(model_dir), load_format="dummy", dtype=args.dtype,
-                max_num_seqs=concurrency, max_num_batched_tokens=2048, prefill_chunk_size=512,
-                kv_cache_memory_gb=args.kv_cache_gb, exit_mode=mode, trace_seed=args.trace_seed,
-                enable_prefix_caching=False,  # configurations sharing an engine share prompts
-                device_decode_loops=args.device_loops if loops is None else loops,
-            )  # fmt: skip
-            engines[mode, path] = LLMEngine(config, loaded)
+    for mode, path in dict.fromkeys((CONFIGS[name][0], path) for name, path in cells(args)):
+        loops = PATHS[path]
+        config = EngineConfig.from_kwargs(
+            model=str(model_dir), load_format="dummy", dtype=args.dtype,
+            max_num_seqs=concurrency, max_num_batched_tokens=2048,
+            prefill_chunk_size=args.chunk_size,
+            wavefront_chunked_prefill=args.wavefront_chunked_prefill,
+            kv_cache_memory_gb=args.kv_cache_gb, exit_mode=mode, trace_seed=args.trace_seed,
+            enable_prefix_caching=False,  # configurations sharing an engine share prompts
+            device_decode_loops=args.device_loops if loops is None else loops,
+        )  # fmt: skip
+        engines[mode, path] = LLMEngine(config, loaded)
     return engines
 
 
@@ -74,16 +85,13 @@ def bench(args, model_dir: Path, concurrency: int) -> list[dict]:
     depth = next(iter(engines.values())).num_loops
     vocab = next(iter(engines.values())).model_config.vocab_size
     rng = np.random.default_rng(0)
-    cells = [
-        (name, path) for name in CONFIGS for path in PATHS if (name, path) != ("fixed", "device")
-    ]
-    runs: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells}
+    runs: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells(args)}
     prefill_walls = []  # the prompts alone: fixed depth, one output token each
     for rep in range(args.repeats + 1):  # round 0 warms up (compiles, captures)
         prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(2 * concurrency)]
         _, wall = run_requests(engines["ouro", "host"], prompts, 1, exit_threshold=1.0)
         prefill_walls += [wall] if rep else []
-        for name, path in cells:
+        for name, path in runs:
             mode, params = CONFIGS[name]
             engine = engines[mode, path]
             before = engine.stats_dict()
@@ -140,6 +148,10 @@ def main() -> None:
     p.add_argument("--device-loops", type=int, default=16, help="device_decode_loops of runs")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-gb", type=float, default=16.0, help="per engine (4 engines)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--wavefront-chunked-prefill", action="store_true", help="WCPB (mixed)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     meta = run_meta(args)
