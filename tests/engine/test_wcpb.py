@@ -357,7 +357,10 @@ def test_ride_limit_changes_no_result(model_dir):
     assert held  # the limit held prefill back, not merely never met
 
 
-def test_device_runs_ride_wavefront_steps(one_layer_dir):
+@pytest.mark.parametrize(
+    "device,backend", [("cpu", "torch"), pytest.param("cuda", "triton", marks=pytest.mark.gpu)]
+)
+def test_device_runs_ride_wavefront_steps(one_layer_dir, device, backend):
     """Gate exits under WCPB: the decode rows ride the prompts' wavefront steps as device runs
     (several invocations per step, each with a plan of its own under the prefill cap beside
     decode rows, exit decisions and sampling on the device), and every request's tokens and
@@ -370,9 +373,9 @@ def test_device_runs_ride_wavefront_steps(one_layer_dir):
         ), arrival_step=3 * i)
         for i in range(4)
     ]  # fmt: skip
-    want = serial(one_layer_dir, jobs)
+    want = serial(one_layer_dir, jobs, device, backend)
     eng = engine(
-        one_layer_dir, wavefront_chunked_prefill=True, prefill_chunk_size=4,
+        one_layer_dir, device, backend, wavefront_chunked_prefill=True, prefill_chunk_size=4,
         max_num_batched_tokens=16, max_num_seqs=4, max_prefill_rows_with_decode=6,
     )  # fmt: skip
     reached: list[int] = []
@@ -388,7 +391,8 @@ def test_device_runs_ride_wavefront_steps(one_layer_dir):
 
     eng.scheduler.schedule = recording_schedule
     got = run_batched(eng, jobs, check=invariants)
-    assert compare(eng, jobs, got, want, "last_exited") == 0
+    # (on the GPU, fp32 sums of another order: a proven near-tie may part the two)
+    assert compare(eng, jobs, got, want, "last_exited") <= (device == "cuda")
     assert kv_all_free(eng)
     assert ridden and max(ridden) == D  # runs rode wavefront steps, up to D invocations long
     assert reached
