@@ -5,23 +5,19 @@ from __future__ import annotations
 
 import copy
 
+from tests.core.test_scheduler import D, request
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.kv_demand import kv_demand, reserve
 from vllm_rlt.core.sched.prefill_planner import WavefrontPlanner
 from vllm_rlt.core.sched.wavefront_step import wavefront_step
-from vllm_rlt.request import ExitSettings, Request
-from vllm_rlt.sampling_params import SamplingParams
-
-D = 4
+from vllm_rlt.request import Request
 
 
 def _prompts(kv: KVCacheManager, lengths: dict[str, int]) -> list[Request]:
     """Requests admitted with no prefix hit, none of their blocks allocated yet."""
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    reqs = []
-    for req_id, n in lengths.items():
-        reqs.append(Request(req_id, list(range(n)), params, ExitSettings(1, D, 1.0), seed=0))
-        kv.attach(req_id, kv.find_prefix([], 0))
+    reqs = [request(req_id, n) for req_id, n in lengths.items()]
+    for req in reqs:
+        kv.attach(req.request_id, kv.find_prefix([], 0))
     return reqs
 
 

@@ -341,8 +341,8 @@ class Scheduler:
         run = self._run(decode_tasks, loops)
         if run is not None:
             return decode_tasks + tasks, loops, run
-        need = kv_demand(self.kv, decode_tasks, 1, [], self.num_loops)
-        if loops == 1 and reserve(self.kv, need):  # one loop: the rows run it on the host's
+        one_loop = loops == 1  # the rows run it on the host's decisions, where they fit
+        if one_loop and reserve(self.kv, kv_demand(self.kv, decode_tasks, 1, [], self.num_loops)):
             return decode_tasks + tasks, loops, None
         return tasks, loops, None  # the run's blocks do not fit: the rows wait
 
