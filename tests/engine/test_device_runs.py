@@ -157,6 +157,29 @@ def test_runs_beside_prefill(model_dir, mode):
     _assert_same(eng, jobs, results[16], results[0], exact=True)
 
 
+@pytest.mark.parametrize("mode", ["ouro", "trace"])
+def test_a_run_goes_on_beside_an_arrivals_prefill_unread(model_dir, mode):
+    """A request arriving while a run is in flight, a seat free: its prefill batch is planned
+    and queued before the run is read back, the run going on beside it (carried), and every
+    request gets what host decisions give it."""
+    jobs, kw = _arriving_jobs(44), dict(max_num_seqs=6, exit_mode=mode, prefill_chunk_size=16)
+    want = _run(make_engine(model_dir, device_decode_loops=0, **kw, **MODES[mode]), jobs)
+    eng = make_engine(model_dir, device_decode_loops=16, **kw, **MODES[mode])
+    unread, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        run = batch.decode_run
+        if run is not None and run.carried and len(batch.requests) > len(run.rows):
+            unread.append(eng.scheduler._unread_run is not None)  # the flight's answer
+        return batch
+
+    eng.scheduler.schedule = recording
+    _assert_same(eng, jobs, _run(eng, jobs), want, exact=True)
+    assert kv_all_free(eng)
+    assert unread and all(unread), unread
+
+
 @pytest.mark.parametrize("run_loops", [2, 3])
 def test_runs_shorter_than_a_tokens_loops(model_dir, run_loops):
     """device_decode_loops below the model's depth: runs alone take at most that many

@@ -102,13 +102,20 @@ class RunPlanner:
         return DecodeRun(self.exit_policy.name, rows, self._sample_at(reqs, rows, loops))
 
     def carry(
-        self, flight: DecodeRun, reqs: list[Request], running: list[Request], waiting: bool
+        self,
+        flight: DecodeRun,
+        reqs: list[Request],
+        running: list[Request],
+        waiting: bool,
+        beside: int = 0,
     ) -> DecodeRun | None:
         """The run that goes on from `flight` (the last run, not read back yet: the rows'
         states in `reqs` are those it started from) over the same rows, or None when the next
         plan needs its results: a row ended or left, another request runs, a waiting one
         (`waiting`) may take a seat the run frees, no row has work left after it, lanes
-        stopped paying or are wanted again (`LaneRule`), or the blocks do not fit. Allocates
+        stopped paying or are wanted again (`LaneRule`), or the blocks do not fit. `beside`:
+        the loops of the prefill batch it rides (0: alone; `running` then leaves out the
+        requests in that prefill, and rows that end within the flight idle in it). Allocates
         the blocks of both runs' positions."""
         if (
             not self.enabled
@@ -120,13 +127,16 @@ class RunPlanner:
             return None
         if flight.lanes > 1 and not (self.lane_rule.keeps() and speculation_on(self.governor)):
             return None  # lanes stopped paying: the next run is fresh, without them
-        if flight.lanes == 1 and self._speculates(reqs):
+        if flight.lanes == 1 and not beside and self._speculates(reqs):
             return None  # lanes are wanted again: the next run is fresh, with them
         before, samples = len(flight.sample_at) - 1, self._takes(flight)
         if waiting and any(self._may_end(r, samples) for r in reqs):
             return None
-        longest = self._longest(reqs, running, waiting, samples)
-        loops = min(longest, max(self._work(r) for r in reqs) - before)
+        work = max(self._work(r) for r in reqs) - before
+        if beside:
+            loops = beside if work > 0 else 0
+        else:
+            loops = min(self._longest(reqs, running, waiting, samples), work)
         if loops < 2:
             return None
         # with lanes, the flight may start with lanes up to lanes - 1 positions past the newest

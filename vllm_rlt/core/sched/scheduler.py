@@ -1,5 +1,5 @@
-"""The scheduler: admission, the per-step plan (`schedule`) and, through `StepUpdate`
-(step_update.py), the runner's answer (`update`).
+"""The scheduler: the per-step plan (`schedule`); through its parts `Admission` (admission.py)
+admission and KV placement, through `StepUpdate` (step_update.py) the runner's answer (`update`).
 
 Invariant of `schedule()`: every row of the plan's first invocation counts against
 `max_num_batched_tokens`; decode rows come before prefill tasks, and a batch with decode rows
@@ -8,14 +8,14 @@ row of their invocation; WCPB's default: half the budget), nor, while a seat is 
 its decode tokens have left of `prefill_rows_per_decode_token` (WCPB's default: the same half;
 `DecodePlanner.prefill_rows_beside`).
 
-KV (`_place`): the plan is made first, then the blocks it writes are allocated, plane by plane
-(each task's positions in the planes of the depths it runs, each exited token's skipped planes).
-Only when they do not fit are requests preempted, by queue policy (the latest arrival, or the
-lowest priority then the latest): the victim's blocks are freed, its work leaves the plan and it
-waits first in line. A resumed request recomputes its prompt and its fed-back output positions
-as an ordinary staged prefill in which each output position runs the loops it ran before
-(`Request.position_loops`), so its KV, and everything it generates next, is what it would have
-been. A request admitted in this step that does not fit goes back unannounced.
+KV (`_place`, admission.py): the plan is made first, then the blocks it writes are allocated,
+plane by plane (each task's positions in the planes of the depths it runs, each exited token's
+skipped planes). Only when they do not fit are requests preempted, by queue policy (the latest
+arrival, or the lowest priority then the latest): the victim's blocks are freed, its work leaves
+the plan and it waits first in line. A resumed request recomputes its prompt and its fed-back
+output positions as an ordinary staged prefill in which each output position runs the loops it
+ran before (`Request.position_loops`), so its KV, and everything it generates next, is what it
+would have been. A request admitted in this step that does not fit goes back unannounced.
 
 How many loops a batch runs (`ExecutionBatch.loop_count`) is decided by rules R1-R7
 (`LoopRules`, loop_rules.py); R7 (decode apart from long prefill) also shapes the plan here
@@ -28,6 +28,7 @@ import itertools
 
 from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.sched.admission import Admission
 from vllm_rlt.core.sched.decode_planner import DecodePlanner
 from vllm_rlt.core.sched.device_runs import RunPlanner
 from vllm_rlt.core.sched.execution_batch import (
@@ -35,14 +36,12 @@ from vllm_rlt.core.sched.execution_batch import (
     ExecutionBatch,
     NewRequestData,
     RowKind,
-    SampledToken,
     ScheduledRequest,
     StepOutput,
     by_request,
-    split_kinds,
 )
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
-from vllm_rlt.core.sched.kv_demand import kv_demand, lacking, reserve
+from vllm_rlt.core.sched.kv_demand import kv_demand, reserve
 from vllm_rlt.core.sched.loop_rules import LoopRules
 from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner, make_planner
 from vllm_rlt.core.sched.request_queue import RequestQueue
@@ -53,7 +52,7 @@ from vllm_rlt.core.sched.wavefront_step import wavefront_step
 from vllm_rlt.request import Request, RequestStatus
 
 
-class Scheduler(StepUpdate):
+class Scheduler(Admission, StepUpdate):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -161,12 +160,13 @@ class Scheduler(StepUpdate):
         if self.governor is not None:
             self.governor.begin()
         self._stepped = None
+        admitted: dict[str, tuple[int, int]] = {}
         if self._flight is not None:
-            carried = self._carry()
+            carried = self._carry() or self._ride_flight(admitted)
             if carried is not None:
                 return carried
             self._read_run()
-        admitted = self._admit()
+        admitted |= self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
         run = None  # a device run over the decode tasks (device_runs.py)
@@ -225,6 +225,54 @@ class Scheduler(StepUpdate):
         self._flight = self._batch(list(flight.requests), len(run.sample_at) - 1, [], run)
         return self._flight
 
+    def _ride_flight(self, admitted: dict) -> ExecutionBatch | None:
+        """The run in flight goes on beside the prefill of the requests admitted now to free
+        seats (R3's prefill batch; split prefill only), without its results read back: the
+        host plans and queues that batch while the run's invocations keep the GPU busy, where
+        reading back first would leave it idle. None (the caller reads back) when no one is
+        admitted, R7 keeps decode and prefill apart, the prefill batch runs fewer than two
+        loops, or its blocks or the run's do not fit; the prefill planned for it is then
+        withdrawn (its blocks stay with the requests admitted, whose prefill needs them)."""
+        flight = self._flight
+        reqs = [self.requests.get(t.request_id) for t in flight.requests]
+        if (
+            self.config.scheduling_mode != "mixed"
+            or self.planner.single_loop
+            or None in reqs
+            or len(reqs) != len(self.running)
+            or flight.decode_run.lanes > 1
+        ):
+            return None
+        admitted |= self._admit()
+        if not admitted:
+            return None
+        limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
+        if self.decode.apart(self.running, limit, self.runs.enabled):
+            return None
+        decode_tasks = list(flight.requests)
+        budget = self.config.max_num_batched_tokens - sum(t.most_rows for t in decode_tasks)
+        cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
+        prefilling = [r for r in self.running if r.in_prefill]
+        entered = {r.request_id: (len(r.pieces), r.num_prefilled_tokens) for r in prefilling}
+        self._apart_now = False
+        prefill_tasks = self._plan_prefill(budget if cap is None else min(budget, cap))
+        loops = self._loop_count([], prefill_tasks) if prefill_tasks else 0
+        need = kv_demand(self.kv, prefill_tasks, loops, self._exits, self.num_loops)
+        run = None
+        if loops >= 2 and reserve(self.kv, need):
+            rows = [r for r in self.running if r.request_id not in admitted]
+            run = self.runs.carry(flight.decode_run, reqs, rows, False, beside=loops)
+        if run is None:
+            for req in prefilling:  # withdraw the chunks it entered
+                pieces, frontier = entered[req.request_id]
+                del req.pieces[pieces:]
+                req.num_prefilled_tokens = frontier
+            return None
+        self.decode.record_ride(decode_tasks + prefill_tasks, self.requests, loops, self.config)
+        self._flight = self._batch(decode_tasks + prefill_tasks, loops, [], run)
+        self._progress(self._flight)
+        return self._flight
+
     def _batch(self, tasks, loops: int, samples: list[str], run) -> ExecutionBatch:
         """The plan of `tasks` (with the step's pending table changes, copies and endings)."""
         new = tuple(self._new)
@@ -251,67 +299,6 @@ class Scheduler(StepUpdate):
         )  # fmt: skip
         self._new, self._exits, self._finished = [], [], []
         return batch
-
-    def _admit(self) -> dict[str, tuple[int, int]]:
-        """Move waiting requests to running while seats allow and the free blocks hold their
-        whole prefill (a request admitted on less would be preempted as its prefill grows, and
-        under refill scheduling its prefill would hold back the decode steps that would free the
-        blocks); a resumed request once its last sampled token is read back. Returns their ids
-        with the positions they looked up in the prefix cache and found."""
-        admitted = {}
-        watermark = self.kv.num_total_blocks // 100
-        while len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            if req is None or req.pending_exit_depths or req.spec is not None:
-                break
-            req.resume_tokens = max(0, len(req.output_token_ids) - 1)
-            ids = req.prefill_token_ids()
-            # generated positions are never cached; the last position is always recomputed; a
-            # prompt whose tokens are scored runs whole
-            queried = min(req.num_prompt_tokens, req.prefill_len - 1)
-            queried *= req.prompt_logprobs is None
-            hit = self.kv.find_prefix(ids, queried)
-            # its whole prefill and first decode position fit beside the cached prefix
-            writes = min(req.prefill_len + 1, req.max_positions)
-            need = self.kv.blocks_for(writes) - self.kv.blocks_for(hit.num_tokens)
-            if need + watermark > self.kv.num_free_blocks:
-                break
-            self.waiting.pop()
-            self.kv.attach(req.request_id, hit)
-            queried *= self.kv.enable_prefix_caching
-            admitted[req.request_id] = (queried, hit.num_tokens)
-            self._count_prefix(queried, hit.num_tokens)
-            req.num_prefilled_tokens = req.prefill_reclaimable_tokens = hit.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._new.append(self.planner.new_request(req))
-        return admitted
-
-    def add_prefilled(self, req: Request, first: SampledToken) -> None:
-        """Take in a request whose whole prompt another engine prefilled (a prefill/decode
-        import): its blocks hold every prompt position in every plane (reserved and filled by
-        the caller), `first` is its first token, sampled there at full depth. Its prefill
-        fields start from what arrived (the whole prompt) and it decodes from its next step,
-        as a resumed request does; it may end on that token at once (a stop or max_tokens)."""
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use")
-        req.num_prefilled_tokens = req.prefill_reclaimable_tokens = req.prefill_len
-        req.status = RequestStatus.RUNNING
-        self.requests[req.request_id] = req
-        self._order[req.request_id] = next(self._ranks)
-        self.running.append(req)
-        self.kv.cache_prompt(req.request_id, req.prompt_token_ids, req.num_prompt_tokens)
-        req.pending_exit_depths.append(req.prompt_loops(self.num_loops))
-        self._append_token(req, first)
-        if req.status.finished:
-            return
-        self.kv.mark_changed(req.request_id)
-        self._new.append(self.planner.new_request(req))
-        self._start_decoding(req)
-
-    def _count_prefix(self, queried: int, found: int) -> None:
-        self.prefix_queries += queried
-        self.prefix_hits += found
 
     def _run(self, decode_tasks, beside: int = 0) -> DecodeRun | None:
         """A device run of the decode tasks, its blocks allocated (None: the step runs them on
@@ -347,61 +334,6 @@ class Scheduler(StepUpdate):
         if one_loop and reserve(self.kv, kv_demand(self.kv, decode_tasks, 1, [], self.num_loops)):
             return decode_tasks + tasks, loops, None
         return tasks, loops, None  # the run's blocks do not fit: the rows wait
-
-    def _place(self, decode_tasks, prefill_tasks, samples: list[str], admitted: dict, run=None):
-        """Allocate the blocks the plan writes, preempting requests while they do not fit;
-        returns the plan without the victims' tasks (`samples` loses their samples) and its
-        loop count. A device run `run` has its blocks already."""
-        if run is not None:
-            return decode_tasks, len(run.sample_at) - 1
-        tasks = decode_tasks + prefill_tasks
-        loops = self._loop_count(decode_tasks, prefill_tasks)
-        while True:
-            need = kv_demand(self.kv, tasks, loops, self._exits, self.num_loops)
-            short = lacking(self.kv, need)
-            if short <= self.kv.num_free_blocks:
-                break
-            if not self.running:
-                raise RuntimeError(f"the KV cache cannot hold one step's work ({short} blocks)")
-            victim = max(self.running, key=self._victim_key)
-            self._preempt(victim, victim.request_id in samples, admitted.get(victim.request_id))
-            tasks = [t for t in tasks if t.request_id != victim.request_id]
-            if victim.request_id in samples:
-                samples.remove(victim.request_id)
-        for (req_id, plane), end in need.items():
-            self.kv.allocate(req_id, plane, end)
-        if len(tasks) < len(decode_tasks) + len(prefill_tasks):  # victims' work left the plan
-            loops = min(loops, self._loop_count(*split_kinds(tasks)))
-        return tasks, loops
-
-    def _victim_key(self, req: Request) -> tuple:
-        """Larger = preempted first: the latest arrival (priority policy: the lowest priority,
-        then the latest arrival)."""
-        arrival = (req.arrival_time, self._order[req.request_id])
-        return (req.priority, *arrival) if self.config.queue_policy == "priority" else arrival
-
-    def _preempt(self, req: Request, sampled_now: bool, admitted_now) -> None:
-        """Free `req`'s blocks and send it back to the front of the queue; it keeps its output
-        tokens and their exit depths and recomputes the rest when it resumes. `admitted_now`:
-        its prefix-cache lookup when it was admitted in this step (then it is withdrawn, as is
-        a request imported since the last step)."""
-        self.running.remove(req)
-        self._release(req.request_id)
-        if admitted_now is not None:
-            self._count_prefix(-admitted_now[0], -admitted_now[1])
-        if any(n.request_id == req.request_id for n in self._new):  # the runner has not heard
-            self._new = [n for n in self._new if n.request_id != req.request_id]
-        else:
-            self._finished.append(req.request_id)
-            self.num_preemptions += 1
-        if sampled_now:  # the token this step would have sampled
-            req.pending_exit_depths.pop()
-        req.pieces, req.decode, req.ready_loops = [], None, None
-        if req.spec is not None and not req.spec.verified:  # (a verified one's tokens are coming)
-            req.spec = None
-        req.num_prefilled_tokens = req.prefill_reclaimable_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.push_front(req)
 
     def _take_turn(self, budget: int, samples: list[str], admitted: dict):
         """R7's batch: prefill's turn takes the whole budget, decode's runs every decoding token
