@@ -130,8 +130,12 @@ class ModelRunner:
         """Queue the batch's device run over its first tasks; with prefill tasks after them, the
         run's rows ride each of the prefill batch's invocations (a run beside prefill)."""
         tasks = batch.requests[: len(batch.decode_run.rows)]
-        mirrors = [self.reqs[t.request_id] for t in tasks]
-        rows = [RunMirror(m.slot, m.data, m.block_tables) for m in mirrors]
+        mirrors = [self.reqs.get(t.request_id) for t in tasks]
+        live = next(m for m in mirrors if m is not None)
+        # a carried run's row whose request ended (forgotten): stopped on the device, it reads
+        # what it is given and writes nothing
+        stopped = RunMirror(0, live.data, ((),) * len(live.block_tables))
+        rows = [RunMirror(m.slot, m.data, m.block_tables) if m else stopped for m in mirrors]
         if len(tasks) == len(batch.requests):
             return self.runs.run(batch, rows, self.timer)
         return self.runs.run(batch, rows, self.timer, lambda i, run: self._invoke(batch, i, run))

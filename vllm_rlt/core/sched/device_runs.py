@@ -115,10 +115,16 @@ class RunPlanner:
         (`waiting`) may take a seat the run frees, no row has work left after it, lanes
         stopped paying or are wanted again (`LaneRule`), or the blocks do not fit. `beside`:
         the loops of the prefill batch it rides (0: alone; `running` then leaves out the
-        requests in that prefill, and rows that end within the flight idle in it). Allocates
-        the blocks of both runs' positions."""
+        requests in that prefill, and rows that end within the flight idle in it, as do those
+        whose request is gone, None in `reqs`: the device stopped them). Allocates the blocks
+        of both runs' positions."""
+        rows_of = reqs
+        reqs = [r for r in reqs if r is not None]
         if (
             not self.enabled
+            or not reqs
+            or len(reqs) < len(rows_of)
+            and not beside
             or len(reqs) != len(running)
             or set(map(id, reqs)) != set(map(id, running))
         ):
@@ -148,6 +154,8 @@ class RunPlanner:
         if flight.lanes > 1:  # (its state on the device is lanes')
             return replace(self._lanes(reqs, rows, loops), carried=True)
         reach = self._sample_at(reqs, rows, before + loops)
+        by_req = dict(zip(map(id, reqs), rows, strict=True))
+        rows = tuple(by_req[id(r)] if r is not None else _STOPPED for r in rows_of)
         return DecodeRun(self.exit_policy.name, rows, (False, *reach[before + 1 :]), carried=True)
 
     def _speculates(self, reqs: list[Request]) -> bool:
@@ -315,6 +323,10 @@ class RunPlanner:
             remaining=result.remaining,
             exit_at=result.exit_at or None,
         )
+
+
+# a carried row whose request is gone: the device stopped it (a carried run loads no state)
+_STOPPED = RunRow(0, 1.0, 0, 0, 0, 0, 1, 1, 1.0, ())
 
 
 def _stops(req: Request) -> tuple[int, ...]:

@@ -107,6 +107,8 @@ class Scheduler(Admission, StepUpdate):
         self._stepped: list[tuple[str, int, int]] | None = None
         self._prefill_turn = False  # under R7: the next batch is prefill's
         self._flight: ExecutionBatch | None = None  # the last device run, its results not applied
+        # the requests that the run read back last ended on its tokens (its device rows stopped)
+        self._run_ended: set[str] = set()
         # the runner's answers whose tokens are not read yet: with async scheduling the last
         # step's (`_unread`), and the last device run's (`_unread_run`, read before the next
         # plan or once the run that goes on from it is queued)
@@ -229,17 +231,21 @@ class Scheduler(Admission, StepUpdate):
         """The run in flight goes on beside the prefill of the requests admitted now to free
         seats (R3's prefill batch; split prefill only), without its results read back: the
         host plans and queues that batch while the run's invocations keep the GPU busy, where
-        reading back first would leave it idle. None (the caller reads back) when no one is
-        admitted, R7 keeps decode and prefill apart, the prefill batch runs fewer than two
-        loops, or its blocks or the run's do not fit; the prefill planned for it is then
-        withdrawn (its blocks stay with the requests admitted, whose prefill needs them)."""
+        reading back first would leave it idle. A row of the run whose request ended on a
+        token of the run before (its seat the one now taken) idles in it: the device stopped
+        it, so it writes no KV and no state. None (the caller reads
+        back) when a row's request ended otherwise, no one is admitted, R7 keeps decode and
+        prefill apart, the prefill batch runs fewer than two loops, or its blocks or the run's
+        do not fit; the prefill planned for it is then withdrawn (its blocks stay with the
+        requests admitted, whose prefill needs them)."""
         flight = self._flight
         reqs = [self.requests.get(t.request_id) for t in flight.requests]
+        gone = {t.request_id for t, r in zip(flight.requests, reqs, strict=True) if r is None}
         if (
             self.config.scheduling_mode != "mixed"
             or self.planner.single_loop
-            or None in reqs
-            or len(reqs) != len(self.running)
+            or not gone <= self._run_ended
+            or len(reqs) - len(gone) != len(self.running)
             or flight.decode_run.lanes > 1
         ):
             return None
@@ -250,8 +256,9 @@ class Scheduler(Admission, StepUpdate):
         if self.decode.apart(self.running, limit, self.runs.enabled):
             return None
         decode_tasks = list(flight.requests)
+        live = [t for t in decode_tasks if t.request_id not in gone]
         budget = self.config.max_num_batched_tokens - sum(t.most_rows for t in decode_tasks)
-        cap = self.decode.prefill_rows_beside(decode_tasks, self.requests, self.config)
+        cap = self.decode.prefill_rows_beside(live, self.requests, self.config)
         prefilling = [r for r in self.running if r.in_prefill]
         entered = {r.request_id: (len(r.pieces), r.num_prefilled_tokens) for r in prefilling}
         self._apart_now = False
@@ -268,7 +275,7 @@ class Scheduler(Admission, StepUpdate):
                 del req.pieces[pieces:]
                 req.num_prefilled_tokens = frontier
             return None
-        self.decode.record_ride(decode_tasks + prefill_tasks, self.requests, loops, self.config)
+        self.decode.record_ride(live + prefill_tasks, self.requests, loops, self.config)
         self._flight = self._batch(decode_tasks + prefill_tasks, loops, [], run)
         self._progress(self._flight)
         return self._flight

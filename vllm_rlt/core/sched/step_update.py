@@ -110,10 +110,13 @@ class StepUpdate:
         if batch is self._flight:
             self._flight = None
         self.runs.record(batch.decode_run, results)
+        self._run_ended = set()
         for task, result in zip(batch.requests[: len(results)], results, strict=True):
             req = self.requests.get(task.request_id)
             if req is not None:
                 self.runs.apply(req, result, self._append_token)
+                if req.status.finished:  # a stop token or max_tokens: the device stopped it too
+                    self._run_ended.add(req.request_id)
 
     @staticmethod
     def drop_outputs(req: Request, num_tokens: int) -> None:
