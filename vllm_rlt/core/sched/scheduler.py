@@ -228,34 +228,38 @@ class Scheduler(Admission, StepUpdate):
         return self._flight
 
     def _ride_flight(self, admitted: dict) -> ExecutionBatch | None:
-        """The run in flight goes on beside the prefill of the requests admitted now to free
-        seats (R3's prefill batch; split prefill only), without its results read back: the
-        host plans and queues that batch while the run's invocations keep the GPU busy, where
+        """The run in flight goes on beside prefill (split prefill only), without its results
+        read back: beside the prompts of the requests admitted now to free seats, and beside
+        the next chunks of those it rode, when none of them finished its prefill in it. The
+        host plans and queues the batch while the run's invocations keep the GPU busy, where
         reading back first would leave it idle. A row of the run whose request ended on a
-        token of the run before (its seat the one now taken) idles in it: the device stopped
-        it, so it writes no KV and no state. None (the caller reads
-        back) when a row's request ended otherwise, no one is admitted, R7 keeps decode and
-        prefill apart, the prefill batch runs fewer than two loops, or its blocks or the run's
-        do not fit; the prefill planned for it is then withdrawn (its blocks stay with the
-        requests admitted, whose prefill needs them)."""
+        token of the run before (its seat often the one now taken) idles in it: the device
+        stopped it, so it writes no KV and no state. None (the caller reads back) when a row's
+        request ended otherwise, a prompt finished its prefill (its first token joins the
+        rows), no prompt is in prefill, R7 keeps decode and prefill apart, the prefill batch
+        runs fewer than two loops, or its blocks or the run's do not fit; the prefill planned
+        for it is then withdrawn (its blocks stay with the requests, whose prefill needs
+        them)."""
         flight = self._flight
-        reqs = [self.requests.get(t.request_id) for t in flight.requests]
-        gone = {t.request_id for t, r in zip(flight.requests, reqs, strict=True) if r is None}
+        run_tasks = list(flight.requests[: len(flight.decode_run.rows)])
+        reqs = [self.requests.get(t.request_id) for t in run_tasks]
+        gone = {t.request_id for t, r in zip(run_tasks, reqs, strict=True) if r is None}
+        decoding = [r for r in self.running if not r.in_prefill]  # (the run's rows, else none)
         if (
             self.config.scheduling_mode != "mixed"
             or self.planner.single_loop
             or not gone <= self._run_ended
-            or len(reqs) - len(gone) != len(self.running)
+            or len(reqs) - len(gone) != len(decoding)
             or flight.decode_run.lanes > 1
         ):
             return None
         admitted |= self._admit()
-        if not admitted:
+        if len(self.running) == len(decoding):  # no prompt in prefill
             return None
         limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
         if self.decode.apart(self.running, limit, self.runs.enabled):
             return None
-        decode_tasks = list(flight.requests)
+        decode_tasks = run_tasks
         live = [t for t in decode_tasks if t.request_id not in gone]
         budget = self.config.max_num_batched_tokens - sum(t.most_rows for t in decode_tasks)
         cap = self.decode.prefill_rows_beside(live, self.requests, self.config)
@@ -267,8 +271,7 @@ class Scheduler(Admission, StepUpdate):
         need = kv_demand(self.kv, prefill_tasks, loops, self._exits, self.num_loops)
         run = None
         if loops >= 2 and reserve(self.kv, need):
-            rows = [r for r in self.running if r.request_id not in admitted]
-            run = self.runs.carry(flight.decode_run, reqs, rows, False, beside=loops)
+            run = self.runs.carry(flight.decode_run, reqs, decoding, False, beside=loops)
         if run is None:
             for req in prefilling:  # withdraw the chunks it entered
                 pieces, frontier = entered[req.request_id]
