@@ -182,7 +182,8 @@ def test_a_run_goes_on_beside_an_arrivals_prefill_unread(model_dir, device, back
     """A request arriving while a run is in flight, a seat free: its prefill batch is planned
     and queued before the run is read back, the run going on beside it (carried), also where
     the seat is that of a row whose request ended on a token of the run before (the row idles,
-    the runner has forgotten its request); every request gets what host decisions give it."""
+    the runner has forgotten its request); a run that rode a prompt goes on beside its next
+    chunk the same way; every request gets what host decisions give it."""
     jobs = _arriving_jobs(44, num=16)
     kw = dict(max_num_seqs=4, exit_mode=mode, prefill_chunk_size=16, **MODES[mode])
     want = _closed_loop(make_engine(model_dir, device, backend, device_decode_loops=0, **kw),
@@ -191,19 +192,21 @@ def test_a_run_goes_on_beside_an_arrivals_prefill_unread(model_dir, device, back
     rides, schedule = [], eng.scheduler.schedule
 
     def recording():
+        flight = eng.scheduler._flight
         batch = schedule()
         run = batch.decode_run
         if run is not None and run.carried and len(batch.requests) > len(run.rows):
             rows = batch.requests[: len(run.rows)]
             gone = any(t.request_id not in eng.scheduler.requests for t in rows)
-            rides.append((eng.scheduler._unread_run is not None, gone))  # (the flight unread)
+            rode = len(flight.requests) > len(flight.decode_run.rows)  # (a prompt's next chunk)
+            rides.append((eng.scheduler._unread_run is not None, gone, rode))  # (flight unread)
         return batch
 
     eng.scheduler.schedule = recording
     _assert_same(eng, jobs, _closed_loop(eng, jobs, 4), want, exact=device == "cpu")
     assert kv_all_free(eng)
-    assert rides and all(unread for unread, _ in rides), rides
-    assert any(gone for _, gone in rides), rides
+    assert rides and all(unread for unread, *_ in rides), rides
+    assert any(gone for _, gone, _ in rides) and any(rode for *_, rode in rides), rides
 
 
 @pytest.mark.parametrize("run_loops", [2, 3])
