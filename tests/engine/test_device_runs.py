@@ -183,13 +183,14 @@ def test_a_run_goes_on_beside_an_arrivals_prefill_unread(model_dir, device, back
     and queued before the run is read back, the run going on beside it (carried), also where
     the seat is that of a row whose request ended on a token of the run before (the row idles,
     the runner has forgotten its request); a run that rode a prompt goes on beside its next
-    chunk the same way; every request gets what host decisions give it."""
+    chunk the same way, and the prompt's row joins it once its prefill is done; every request
+    gets what host decisions give it."""
     jobs = _arriving_jobs(44, num=16)
     kw = dict(max_num_seqs=4, exit_mode=mode, prefill_chunk_size=16, **MODES[mode])
     want = _closed_loop(make_engine(model_dir, device, backend, device_decode_loops=0, **kw),
                         jobs, 4)  # fmt: skip
     eng = make_engine(model_dir, device, backend, device_decode_loops=4, **kw)
-    rides, schedule = [], eng.scheduler.schedule
+    rides, joins, schedule = [], [], eng.scheduler.schedule
 
     def recording():
         flight = eng.scheduler._flight
@@ -200,6 +201,8 @@ def test_a_run_goes_on_beside_an_arrivals_prefill_unread(model_dir, device, back
             gone = any(t.request_id not in eng.scheduler.requests for t in rows)
             rode = len(flight.requests) > len(flight.decode_run.rows)  # (a prompt's next chunk)
             rides.append((eng.scheduler._unread_run is not None, gone, rode))  # (flight unread)
+        if run is not None and run.joined:  # rows of prompts the run in flight rode to the end
+            joins.append(eng.scheduler._unread_run is not None)
         return batch
 
     eng.scheduler.schedule = recording
@@ -207,6 +210,7 @@ def test_a_run_goes_on_beside_an_arrivals_prefill_unread(model_dir, device, back
     assert kv_all_free(eng)
     assert rides and all(unread for unread, *_ in rides), rides
     assert any(gone for _, gone, _ in rides) and any(rode for *_, rode in rides), rides
+    assert joins and all(joins), joins
 
 
 @pytest.mark.parametrize("run_loops", [2, 3])
@@ -253,8 +257,9 @@ def test_runs_take_one_tokens_loops_while_a_seat_may_free(model_dir, ignore_eos)
         waiting = bool(s.waiting)
         batch = schedule()
         run = None if batch is None else batch.decode_run
-        if run is not None and not run.carried and len(batch.requests) == len(run.rows):
-            lengths.append((waiting, left, batch.loop_count))  # (a fresh run alone)
+        fresh = run is not None and (not run.carried or run.joined)  # (rows joined it fresh)
+        if fresh and len(batch.requests) == len(run.rows):
+            lengths.append((waiting, left, batch.loop_count))  # (a run alone)
         return batch
 
     eng.scheduler.schedule = recording

@@ -89,7 +89,7 @@ class RunState:
         r = len(rows) * lanes
         params = [m.params for m in mirrors for _ in range(lanes)]
         params += params[:1] * (padded - r)
-        ints = np.zeros((_CARRIED_INTS if run.carried else _INTS, padded), dtype=np.int64)
+        ints = np.zeros((_CARRIED_INTS, padded), dtype=np.int64)
         ints[0] = [p.top_k for p in params]
         ints[1] = [p.seed for p in params]
         ints[2, :r] = np.repeat([x.num_sampled for x in rows], lanes)  # the trace's base
@@ -107,48 +107,28 @@ class RunState:
         for i, x in enumerate(rows):
             trace[i, : len(x.trace)] = x.trace
         arrays = [ints, f32, np.repeat(tables, lanes, axis=0), np.repeat(trace, lanes, axis=0)]
-        if not run.carried:  # idle rows: stopped, at position 0, slot and state row 0
-            lane = np.tile(np.arange(lanes), len(rows))
-            live = lane == np.repeat([x.position % lanes for x in rows], lanes)
-            # with lanes, every lane's state in the ring (the decode row is the oldest's copy
-            # for the host path, `settle`)
-            state_rows = np.array([
-                states.ring_row(m.slot, j) if lanes > 1 else states.decode_row(m.slot)
-                for m, j in zip([m for m in mirrors for _ in range(lanes)], lane, strict=True)
-            ], dtype=np.int64)  # fmt: skip
-            ints[_CARRIED_INTS:, :r] = np.repeat(np.array([
-                (m.slot, 0, x.loops_done, x.exit_at, x.position, x.num_sampled, x.max_tokens,
-                 x.min_loops, x.max_loops)
-                for m, x in zip(mirrors, rows, strict=True)
-            ], dtype=np.int64).T, lanes, axis=1)  # fmt: skip
-            ints[_CARRIED_INTS + 1, :r] = state_rows
-            f64 = np.zeros((2, padded))
-            f64[:, :r] = np.repeat([[x.remaining for x in rows], [x.threshold for x in rows]],
-                                   lanes, axis=1)  # fmt: skip
-            flags = np.zeros((5, padded), dtype=bool)
-            flags[1] = True  # done: idle rows and free lanes
-            flags[1, :r] = ~live
-            flags[4, :r] = np.repeat([x.speculates for x in rows], lanes)
-            stops = [(i * lanes + j, t) for i, x in enumerate(rows) for t in x.stop_token_ids
-                     for j in range(lanes)]  # fmt: skip
-            arrays += [f64, flags, np.array(stops, dtype=np.int64).reshape(-1, 2)]
-            if lanes > 1:  # the newest token's state moves from the decode row to its lane's
-                decode_rows = [states.decode_row(m.slot) for m in mirrors]
-                arrays.append(np.array([decode_rows, state_rows[live]], dtype=np.int64))
+        # rows loaded as a fresh run's, from `first` on: all of a fresh run's, or a carried
+        # run's joined rows (lanes 1); and the idle rows after them
+        first = len(rows) - run.joined if run.carried else 0
+        if first < len(rows) or not run.carried:
+            arrays += self._fresh(rows[first:], mirrors[first:], states, padded - first * lanes,
+                                  lanes)  # fmt: skip
         ints, f32, tables, trace, *fresh = to_device_packed(arrays, self.device)
-        self._ints[: len(ints), :padded].copy_(ints)
+        self._ints[:_CARRIED_INTS, :padded].copy_(ints)
         self._f32[:, :padded].copy_(f32)
         self.tables[:r, :, :width].copy_(tables)
         self.width = width
         if trace.shape[1]:
             self.trace[:r, : trace.shape[1]].copy_(trace)
         if fresh:
-            f64, flags, stops, *moves = fresh
-            self._f64[:, :padded].copy_(f64)
-            self._flags[:, :padded].copy_(flags)
-            self.stop_mask[:r] = False
+            f = first * lanes
+            more, f64, flags, stops, *moves = fresh
+            self._ints[_CARRIED_INTS:, f:padded].copy_(more)
+            self._f64[:, f:padded].copy_(f64)
+            self._flags[:, f:padded].copy_(flags)
+            self.stop_mask[f:r] = False
             if len(stops):
-                self.stop_mask[stops[:, 0], stops[:, 1]] = True
+                self.stop_mask[stops[:, 0] + f, stops[:, 1]] = True
             if moves:  # (lanes)
                 decode_rows, lane_rows = moves[0]
                 states.buffer[lane_rows] = states.buffer[decode_rows]
@@ -157,6 +137,44 @@ class RunState:
         self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
         return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
+
+    @staticmethod
+    def _fresh(rows, mirrors, states, padded: int, lanes: int) -> list[np.ndarray]:
+        """The host arrays of what a fresh run loads of `rows` (`mirrors` theirs) and of the
+        idle rows after them, up to `padded` rows: the integer fields after the carried ones,
+        the exit rule's state, the flags, the stop tokens ((row, token) pairs), and with lanes
+        the moves of each row's newest state to its lane's row. Idle rows: stopped, at
+        position 0, slot and state row 0."""
+        r = len(rows) * lanes
+        lane = np.tile(np.arange(lanes), len(rows))
+        live = lane == np.repeat([x.position % lanes for x in rows], lanes)
+        # with lanes, every lane's state in the ring (the decode row is the oldest's copy for
+        # the host path, `settle`)
+        state_rows = np.array([
+            states.ring_row(m.slot, j) if lanes > 1 else states.decode_row(m.slot)
+            for m, j in zip([m for m in mirrors for _ in range(lanes)], lane, strict=True)
+        ], dtype=np.int64)  # fmt: skip
+        ints = np.zeros((_INTS - _CARRIED_INTS, padded), dtype=np.int64)
+        ints[:, :r] = np.repeat(np.array([
+            (m.slot, 0, x.loops_done, x.exit_at, x.position, x.num_sampled, x.max_tokens,
+             x.min_loops, x.max_loops)
+            for m, x in zip(mirrors, rows, strict=True)
+        ], dtype=np.int64).T.reshape(_INTS - _CARRIED_INTS, -1), lanes, axis=1)  # fmt: skip
+        ints[1, :r] = state_rows
+        f64 = np.zeros((2, padded))
+        f64[:, :r] = np.repeat([[x.remaining for x in rows], [x.threshold for x in rows]],
+                               lanes, axis=1)  # fmt: skip
+        flags = np.zeros((5, padded), dtype=bool)
+        flags[1] = True  # done: idle rows and free lanes
+        flags[1, :r] = ~live
+        flags[4, :r] = np.repeat([x.speculates for x in rows], lanes)
+        stops = [(i * lanes + j, t) for i, x in enumerate(rows) for t in x.stop_token_ids
+                 for j in range(lanes)]  # fmt: skip
+        arrays = [ints, f64, flags, np.array(stops, dtype=np.int64).reshape(-1, 2)]
+        if lanes > 1:  # the newest token's state moves from the decode row to its lane's
+            decode_rows = [states.decode_row(m.slot) for m in mirrors]
+            arrays.append(np.array([decode_rows, state_rows[live]], dtype=np.int64))
+        return arrays
 
     def settle(self, n: int, lanes: int, buffer: torch.Tensor, window_tokens: torch.Tensor) -> None:
         """After a run with lanes, of its first `n` rows (real ones, each with its own slot): the

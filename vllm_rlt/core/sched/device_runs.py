@@ -20,6 +20,7 @@ draft: every invocation ends in a sample phase.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
@@ -108,6 +109,8 @@ class RunPlanner:
         running: list[Request],
         waiting: bool,
         beside: int = 0,
+        joining: list[Request] = (),
+        start: Callable[[], list[Request]] | None = None,
     ) -> DecodeRun | None:
         """The run that goes on from `flight` (the last run, not read back yet: the rows'
         states in `reqs` are those it started from) over the same rows, or None when the next
@@ -116,15 +119,16 @@ class RunPlanner:
         stopped paying or are wanted again (`LaneRule`), or the blocks do not fit. `beside`:
         the loops of the prefill batch it rides (0: alone; `running` then leaves out the
         requests in that prefill, and rows that end within the flight idle in it, as do those
-        whose request is gone, None in `reqs`: the device stopped them). Allocates the blocks
-        of both runs' positions."""
+        whose request is gone, None in `reqs`: the device stopped them). `joining`: requests
+        whose prompt the flight rode to its end, whose rows join the run fresh after its own
+        once `start()` (called when everything else holds and the blocks are allocated) has
+        started their tokens; it returns those it started. Allocates the blocks of both runs'
+        positions."""
         rows_of = reqs
         reqs = [r for r in reqs if r is not None]
         if (
             not self.enabled
             or not reqs
-            or len(reqs) < len(rows_of)
-            and not beside
             or len(reqs) != len(running)
             or set(map(id, reqs)) != set(map(id, running))
         ):
@@ -133,7 +137,8 @@ class RunPlanner:
             return None
         if flight.lanes > 1 and not (self.lane_rule.keeps() and speculation_on(self.governor)):
             return None  # lanes stopped paying: the next run is fresh, without them
-        if flight.lanes == 1 and not beside and self._speculates(reqs):
+        alone = not beside and not joining
+        if flight.lanes == 1 and alone and self._speculates(reqs):
             return None  # lanes are wanted again: the next run is fresh, with them
         before, samples = len(flight.sample_at) - 1, self._takes(flight)
         if waiting and any(self._may_end(r, samples) for r in reqs):
@@ -142,21 +147,28 @@ class RunPlanner:
         if beside:
             loops = beside if work > 0 else 0
         else:
-            loops = min(self._longest(reqs, running, waiting, samples), work)
+            loops = min(self._longest([*reqs, *joining], running, waiting, samples), work)
         if loops < 2:
             return None
         # with lanes, the flight may start with lanes up to lanes - 1 positions past the newest
         # token, and a lane starts at most one position per invocation after them
         ahead = flight.lanes if flight.lanes > 1 else 0
-        if not self._reserve(reqs, before + loops + ahead, []):
+        if not self._reserve(reqs, before + loops + ahead, [], joining):
             return None
         rows = tuple(self._row(r, before + loops) for r in reqs)
         if flight.lanes > 1:  # (its state on the device is lanes')
             return replace(self._lanes(reqs, rows, loops), carried=True)
         reach = self._sample_at(reqs, rows, before + loops)
+        sample_at = (False, *reach[before + 1 :])
         by_req = dict(zip(map(id, reqs), rows, strict=True))
         rows = tuple(by_req[id(r)] if r is not None else _STOPPED for r in rows_of)
-        return DecodeRun(self.exit_policy.name, rows, (False, *reach[before + 1 :]), carried=True)
+        joined = start() if joining else []
+        if joined:
+            fresh = tuple(self._row(r, loops) for r in joined)
+            reach = self._sample_at(joined, fresh, loops)
+            sample_at = tuple(a or b for a, b in zip(sample_at, reach, strict=True))
+            rows += fresh
+        return DecodeRun(self.exit_policy.name, rows, sample_at, carried=True, joined=len(joined))
 
     def _speculates(self, reqs: list[Request]) -> bool:
         """Whether a run alone over the rows of `reqs` speculates: speculation is on, at most
@@ -228,12 +240,16 @@ class RunPlanner:
         token, or no more than that many tokens left before max_tokens."""
         return bool(_stops(req)) or req.sampling_params.max_tokens - req.num_sampled <= samples
 
-    def _reserve(self, reqs: list[Request], loops: int, exits) -> bool:
+    def _reserve(self, reqs: list[Request], loops: int, exits, joining=()) -> bool:
         """Allocate every plane of each position a token of the next `loops` invocations may
-        write (and `exits`' copies); False (nothing allocated) when the blocks do not fit."""
+        write (and `exits`' copies; `joining`: requests whose next token, not started yet,
+        runs only the last `loops` of them); False (nothing allocated) when the blocks do not
+        fit."""
         need = kv_demand(self.kv, [], 0, exits, self.num_loops)
-        for r in reqs:
-            end = min(r.decode.position + loops, r.max_positions)
+        ends = [(r, r.decode.position + loops) for r in reqs]
+        ends += [(r, (r.decode.position if r.decode else r.num_tokens) + loops) for r in joining]
+        for r, end in ends:
+            end = min(end, r.max_positions)
             for plane in range(self.kv.num_loop_planes):
                 need[r.request_id, plane] = max(need.get((r.request_id, plane), 0), end)
         return reserve(self.kv, need)

@@ -185,6 +185,9 @@ class DecodeRun:
     # device (planned before the host read it back): the device takes only their block tables,
     # `num_sampled` and `trace` (counted from it: the tokens of both runs)
     carried: bool = False
+    # a carried run: its last `joined` rows are not the last run's but start here, loaded as a
+    # fresh run's (requests whose prompt the last run rode to its end)
+    joined: int = 0
     # speculation with the exit gate (docs/design/speculative.md §3): each row has `lanes`
     # device rows, one per position in flight (1: no speculation); a lane whose token ran
     # `draft_loops` loops drafts the next position's token, verified when the token exits

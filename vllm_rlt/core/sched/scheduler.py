@@ -228,58 +228,72 @@ class Scheduler(Admission, StepUpdate):
         return self._flight
 
     def _ride_flight(self, admitted: dict) -> ExecutionBatch | None:
-        """The run in flight goes on beside prefill (split prefill only), without its results
-        read back: beside the prompts of the requests admitted now to free seats, and beside
-        the next chunks of those it rode, when none of them finished its prefill in it. The
-        host plans and queues the batch while the run's invocations keep the GPU busy, where
-        reading back first would leave it idle. A row of the run whose request ended on a
-        token of the run before (its seat often the one now taken) idles in it: the device
-        stopped it, so it writes no KV and no state. None (the caller reads back) when a row's
-        request ended otherwise, a prompt finished its prefill (its first token joins the
-        rows), no prompt is in prefill, R7 keeps decode and prefill apart, the prefill batch
-        runs fewer than two loops, or its blocks or the run's do not fit; the prefill planned
-        for it is then withdrawn (its blocks stay with the requests, whose prefill needs
-        them)."""
+        """The run in flight goes on without its results read back (split prefill only):
+        beside the prompts of the requests admitted now to free seats, beside the next chunks
+        of those it rode, and with the rows of those it rode to their end joining it fresh
+        (their first tokens sampled on the device as the step starts). The host plans and
+        queues the batch while the run's invocations keep the GPU busy, where reading back
+        first would leave it idle. A row of the run whose request ended on a token of the run
+        before (its seat often the one now taken) idles in it: the device stopped it, so it
+        writes no KV and no state. None (the caller reads back) when a row's request ended
+        otherwise, there is neither prefill nor a joining row, R7 keeps decode and prefill
+        apart, the prefill batch runs fewer than two loops, or its blocks or the run's do not
+        fit; the prefill planned for it is then withdrawn (its blocks stay with the requests,
+        whose prefill needs them)."""
         flight = self._flight
         run_tasks = list(flight.requests[: len(flight.decode_run.rows)])
         reqs = [self.requests.get(t.request_id) for t in run_tasks]
         gone = {t.request_id for t, r in zip(run_tasks, reqs, strict=True) if r is None}
-        decoding = [r for r in self.running if not r.in_prefill]  # (the run's rows, else none)
+        ids = {t.request_id for t in run_tasks}
+        decoding = [r for r in self.running if not r.in_prefill and r.request_id in ids]
+        joining = [r for r in self.running if not r.in_prefill and r.request_id not in ids]
         if (
             self.config.scheduling_mode != "mixed"
             or self.planner.single_loop
             or not gone <= self._run_ended
             or len(reqs) - len(gone) != len(decoding)
             or flight.decode_run.lanes > 1
+            or any(r.spec is not None for r in joining)
         ):
             return None
         admitted |= self._admit()
-        if len(self.running) == len(decoding):  # no prompt in prefill
+        prefilling = [r for r in self.running if r.in_prefill]
+        if not prefilling and not joining:
             return None
         limit = 0 if self.atomic_prefill else self.config.max_context_with_decode
         if self.decode.apart(self.running, limit, self.runs.enabled):
             return None
-        decode_tasks = run_tasks
-        live = [t for t in decode_tasks if t.request_id not in gone]
-        budget = self.config.max_num_batched_tokens - sum(t.most_rows for t in decode_tasks)
+        live = [t for t in run_tasks if t.request_id not in gone]
+        rows_left = self.config.max_num_batched_tokens - len(run_tasks)  # (one row a task)
+        budget = rows_left - len(joining)
         cap = self.decode.prefill_rows_beside(live, self.requests, self.config)
-        prefilling = [r for r in self.running if r.in_prefill]
         entered = {r.request_id: (len(r.pieces), r.num_prefilled_tokens) for r in prefilling}
         self._apart_now = False
         prefill_tasks = self._plan_prefill(budget if cap is None else min(budget, cap))
         loops = self._loop_count([], prefill_tasks) if prefill_tasks else 0
         need = kv_demand(self.kv, prefill_tasks, loops, self._exits, self.num_loops)
+        joined: list = []  # (the joining rows' tasks, the samples of their first tokens)
+
+        def start() -> list[Request]:  # once the run's blocks are allocated
+            joined.extend(self.decode.plan(joining, rows_left))
+            return [self.requests[t.request_id] for t in joined[0]]
+
         run = None
-        if loops >= 2 and reserve(self.kv, need):
-            run = self.runs.carry(flight.decode_run, reqs, decoding, False, beside=loops)
+        if (loops >= 2 or not prefill_tasks) and reserve(self.kv, need):
+            waiting = bool(self.waiting) and not prefill_tasks
+            run = self.runs.carry(flight.decode_run, reqs, decoding, waiting, loops, joining,
+                                  start)  # fmt: skip
         if run is None:
             for req in prefilling:  # withdraw the chunks it entered
                 pieces, frontier = entered[req.request_id]
                 del req.pieces[pieces:]
                 req.num_prefilled_tokens = frontier
             return None
-        self.decode.record_ride(live + prefill_tasks, self.requests, loops, self.config)
-        self._flight = self._batch(decode_tasks + prefill_tasks, loops, [], run)
+        fresh, samples = joined or ([], [])
+        loops = len(run.sample_at) - 1
+        tasks = run_tasks + fresh
+        self.decode.record_ride(live + fresh + prefill_tasks, self.requests, loops, self.config)
+        self._flight = self._batch(tasks + prefill_tasks, loops, samples, run)
         self._progress(self._flight)
         return self._flight
 
