@@ -2,8 +2,10 @@
 the CPU: a tiny random Ouro in fp32 with the benchmark's scheduling settings (2c requests of 512
 prompt tokens and 64 forced output tokens, `max_num_seqs` c, budget 2,048, chunk 512, runs of up
 to 16 invocations) at an exit threshold. Counts, not speed: which steps ran device runs alone,
-carried or beside prefill (each one not carried waits for the read-back before it), the prompt
-rows of each prefill step, and the rows of every invocation of runs alone or carried.
+carried or beside prefill (each one not carried waits for the read-back before it), how many
+plans waited for the run in flight's results (`read_backs`: the GPU idles until the next step
+is queued), the prompt rows of each prefill step, and the rows of every invocation of runs
+alone or carried.
 
     python -m benchmarks.probes.run_schedule --concurrency 32 --threshold 0.3 1.0
 
@@ -39,9 +41,13 @@ def schedule_shape(model_dir: Path, c: int, threshold: float, output_len: int) -
     steps: list[tuple[str, int, int]] = []  # (kind, rows or prompt rows, invocations)
     schedule = eng.scheduler.schedule
 
+    read_backs = [0]  # plans that first waited for the run in flight's results
+
     def recorded():
+        flight = eng.scheduler._flight
         batch = schedule()
         run = batch.decode_run
+        read_backs[0] += flight is not None and not (run is not None and run.carried)
         prompt_rows = sum(t.num_tokens for t in batch.requests if t.kind is RowKind.PREFILL)
         if prompt_rows:
             steps.append(("prefill", prompt_rows, batch.loop_count))
@@ -65,6 +71,7 @@ def schedule_shape(model_dir: Path, c: int, threshold: float, output_len: int) -
     return {
         "loops_per_token": counters["loops_per_token"],
         "steps_by_kind": dict(collections.Counter(kind for kind, _, _ in steps)),
+        "read_backs": read_backs[0],
         "prefill_rows_by_step": [rows for kind, rows, _ in steps if kind == "prefill"],
         "run_invocations_by_rows": dict(sorted(by_rows.items())),
         "run_rows_per_invocation": sum(r * n for r, n in by_rows.items()) / (run_invocations or 1),
