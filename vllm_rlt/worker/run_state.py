@@ -111,10 +111,15 @@ class RunState:
         # run's joined rows (lanes 1); and the idle rows after them
         first = len(rows) - run.joined if run.carried else 0
         if first < len(rows) or not run.carried:
-            arrays += self._fresh(rows[first:], mirrors[first:], states, padded - first * lanes,
-                                  lanes)  # fmt: skip
+            more, *fresh = self._fresh(rows[first:], mirrors[first:], states,
+                                       padded - first * lanes, lanes)  # fmt: skip
+            if first:  # a carried run's joined rows: their integers after the carried ones
+                fresh.insert(0, more)
+            else:  # a fresh run's integers: one array, one copy
+                arrays[0] = np.concatenate([ints, more])
+            arrays += fresh
         ints, f32, tables, trace, *fresh = to_device_packed(arrays, self.device)
-        self._ints[:_CARRIED_INTS, :padded].copy_(ints)
+        self._ints[: len(ints), :padded].copy_(ints)
         self._f32[:, :padded].copy_(f32)
         self.tables[:r, :, :width].copy_(tables)
         self.width = width
@@ -122,8 +127,9 @@ class RunState:
             self.trace[:r, : trace.shape[1]].copy_(trace)
         if fresh:
             f = first * lanes
-            more, f64, flags, stops, *moves = fresh
-            self._ints[_CARRIED_INTS:, f:padded].copy_(more)
+            if first:  # a carried run's joined rows
+                self._ints[_CARRIED_INTS:, f:padded].copy_(fresh.pop(0))
+            f64, flags, stops, *moves = fresh
             self._f64[:, f:padded].copy_(f64)
             self._flags[:, f:padded].copy_(flags)
             self.stop_mask[f:r] = False

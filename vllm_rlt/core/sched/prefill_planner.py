@@ -226,6 +226,19 @@ class _ChunkedPlanner:
         )
 
 
+def entries(requests: list[Request]) -> list[tuple[Request, int, int]]:
+    """Where the requests' prefill entries stand (pieces, frontier), for `withdraw`."""
+    return [(r, len(r.pieces), r.num_prefilled_tokens) for r in requests]
+
+
+def withdraw(marks: list[tuple[Request, int, int]]) -> None:
+    """Take back the new chunks that `plan` entered since `entries` gave `marks` (a plan that
+    will not run)."""
+    for req, pieces, frontier in marks:
+        del req.pieces[pieces:]
+        req.num_prefilled_tokens = frontier
+
+
 def _end(task: ScheduledRequest) -> int:
     return task.token_start + task.num_tokens
 

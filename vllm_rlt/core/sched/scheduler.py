@@ -43,7 +43,13 @@ from vllm_rlt.core.sched.execution_batch import (
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.kv_demand import kv_demand, reserve
 from vllm_rlt.core.sched.loop_rules import LoopRules
-from vllm_rlt.core.sched.prefill_planner import SplitPlanner, WavefrontPlanner, make_planner
+from vllm_rlt.core.sched.prefill_planner import (
+    SplitPlanner,
+    WavefrontPlanner,
+    entries,
+    make_planner,
+    withdraw,
+)
 from vllm_rlt.core.sched.request_queue import RequestQueue
 from vllm_rlt.core.sched.spec_governor import SpecGovernor
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
@@ -267,16 +273,18 @@ class Scheduler(Admission, StepUpdate):
         rows_left = self.config.max_num_batched_tokens - len(run_tasks)  # (one row a task)
         budget = rows_left - len(joining)
         cap = self.decode.prefill_rows_beside(live, self.requests, self.config)
-        entered = {r.request_id: (len(r.pieces), r.num_prefilled_tokens) for r in prefilling}
+        marks = entries(prefilling)
         self._apart_now = False
         prefill_tasks = self._plan_prefill(budget if cap is None else min(budget, cap))
         loops = self._loop_count([], prefill_tasks) if prefill_tasks else 0
         need = kv_demand(self.kv, prefill_tasks, loops, self._exits, self.num_loops)
-        joined: list = []  # (the joining rows' tasks, the samples of their first tokens)
+        fresh, samples = [], []  # the joining rows' tasks, the samples of their first tokens
 
         def start() -> list[Request]:  # once the run's blocks are allocated
-            joined.extend(self.decode.plan(joining, rows_left))
-            return [self.requests[t.request_id] for t in joined[0]]
+            tasks, sampled = self.decode.plan(joining, rows_left)
+            fresh.extend(tasks)
+            samples.extend(sampled)
+            return [self.requests[t.request_id] for t in tasks]
 
         run = None
         if (loops >= 2 or not prefill_tasks) and reserve(self.kv, need):
@@ -284,12 +292,8 @@ class Scheduler(Admission, StepUpdate):
             run = self.runs.carry(flight.decode_run, reqs, decoding, waiting, loops, joining,
                                   start)  # fmt: skip
         if run is None:
-            for req in prefilling:  # withdraw the chunks it entered
-                pieces, frontier = entered[req.request_id]
-                del req.pieces[pieces:]
-                req.num_prefilled_tokens = frontier
+            withdraw(marks)  # the chunks it entered
             return None
-        fresh, samples = joined or ([], [])
         loops = len(run.sample_at) - 1
         tasks = run_tasks + fresh
         self.decode.record_ride(live + fresh + prefill_tasks, self.requests, loops, self.config)

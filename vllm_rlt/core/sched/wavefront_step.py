@@ -21,7 +21,7 @@ from dataclasses import replace
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import ScheduledRequest, by_request
 from vllm_rlt.core.sched.kv_demand import kv_demand, reserve
-from vllm_rlt.core.sched.prefill_planner import WavefrontPlanner
+from vllm_rlt.core.sched.prefill_planner import WavefrontPlanner, entries, withdraw
 from vllm_rlt.request import Request
 
 Exit = tuple[str, int, int]  # (request, position, last depth) of a recomputed output position
@@ -43,13 +43,10 @@ def wavefront_step(
     plans, exits = [first], _advance(planner, requests, first)
     while len(plans) < limit and not exits:
         prefilling = [r for r in running if r.in_prefill]
-        entered = {r.request_id: (len(r.pieces), r.num_prefilled_tokens) for r in prefilling}
+        marks = entries(prefilling)
         tasks = planner.plan(prefilling, budget)
         if not tasks or not reserve(kv, kv_demand(kv, tasks, 1, [], planner.num_loops)):
-            for req in prefilling:  # withdraw the new chunks it entered
-                pieces, frontier = entered[req.request_id]
-                del req.pieces[pieces:]
-                req.num_prefilled_tokens = frontier
+            withdraw(marks)  # the new chunks it entered
             break
         plans.append(tasks)
         exits = _advance(planner, requests, tasks)
