@@ -60,6 +60,11 @@ class SpecWindow:
     def verifying(self) -> bool:
         return self.offset > self.num_drafts
 
+    @property
+    def started(self) -> bool:
+        """Whether its rows have run a loop (a window that has not is a fresh one)."""
+        return self.offset > 0 or self.loops_done > 0 or self.verified
+
 
 @dataclass
 class ExitSettings:

@@ -54,23 +54,37 @@ def test_prefill_only_batch_runs_atomically_even_with_requests_waiting():
     assert a.ready_loops == D and not a.in_prefill
 
 
-def test_mixed_batch_with_decode_rows_runs_one_loop_decode_first():
+def test_mixed_batch_runs_the_decode_rows_loops_beside_the_chunk_decode_first():
     s = scheduler(max_num_seqs=2, max_num_batched_tokens=6, prefill_chunk_size=8)
     s.add_request(request("a", 3))
     step(s)  # a's prompt, atomically
     s.add_request(request("b", 8))
     batch = step(s)
-    assert batch.loop_count == 1  # R1
+    assert batch.loop_count == D  # R1: a's token runs all its loops beside b's piece (R2)
     kinds = [(t.request_id, t.kind, t.num_tokens, t.depth) for t in batch.requests]
     assert kinds == [("a", RowKind.DECODE, 1, 0), ("b", RowKind.PREFILL, 5, 0)]  # entry cut to 5
     assert batch.sample_req_ids == ("a",)
     b = s.requests["b"]
     assert (b.num_prefilled_tokens, b.prefill_reclaimable_tokens) == (5, 0)
     batch = step(s)
+    assert batch.loop_count == D
     assert [(t.request_id, t.token_start, t.num_tokens, t.depth) for t in batch.requests] == [
-        ("a", 3, 1, 1),
-        ("b", 0, 5, 1),  # the first piece advances before the rest of the chunk enters
+        ("a", 4, 1, 0),
+        ("b", 5, 3, 0),  # the rest of the chunk enters once the first piece has run every depth
     ]
+
+
+def test_decode_rows_run_one_loop_while_a_prompt_in_prefill_is_left_out():
+    """A request in prefill with no task in the batch would wait for all the batch's loops."""
+    s = scheduler(max_num_seqs=3, max_num_batched_tokens=6, prefill_chunk_size=8)
+    s.add_request(request("a", 3))
+    step(s)
+    s.add_request(request("b", 8))
+    s.add_request(request("c", 8))
+    for depth in range(D):
+        batch = step(s)
+        assert batch.loop_count == 1  # c is admitted, but the budget leaves it out
+        assert [(t.request_id, t.depth) for t in batch.requests] == [("a", depth), ("b", depth)]
 
 
 def test_rule3_an_overtaking_task_forces_one_loop():

@@ -102,9 +102,10 @@ def test_a_window_split_across_steps_resumes_where_it_stopped():
     assert w.verified
 
 
-def test_a_window_beside_prefill_advances_one_loop_per_step():
-    """Beside a prompt in prefill (mixed scheduling, R1) a window's row runs one loop per step:
-    it moves to the next position between steps, and each draft is sampled at a step's start."""
+def test_a_window_beside_prefill_runs_the_chunks_loops():
+    """Beside a prompt in prefill (mixed scheduling, R1) a window's row runs as many loops as the
+    chunk has left: it moves to its next position within the step, each draft sampled before its
+    invocation, and the window's verify loops finish in the next step."""
     s = scheduler(2, 2, scheduling_mode="mixed", max_num_batched_tokens=16, prefill_chunk_size=4)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     exits = ExitSettings(1, D, 1.0)
@@ -114,17 +115,12 @@ def test_a_window_beside_prefill_advances_one_loop_per_step():
         step()
     s.add_request(Request("b", list(range(64)), params, exits, seed=0))
     seen = []
-    for _ in range(6 + (D - 2)):  # three positions of two draft loops, then the verify loops
+    for _ in range(2):  # three positions of two draft loops, then the verify loops: 2 steps
         batch, rows = step([11, 12])
-        assert batch.loop_count == 1 and rows[-1][0] is RowKind.PREFILL
+        assert batch.loop_count == D and rows[-1][0] is RowKind.PREFILL
         spec = [r for r in rows if r[0] is RowKind.SPEC]
         seen.append((spec[0][1:], [(x.offset, x.invocation) for x in batch.drafts]))
-    assert seen == [
-        ((6, 1, 0), []), ((6, 1, 1), []),
-        ((7, 1, 0), [(1, 0)]), ((7, 1, 1), []),
-        ((8, 1, 0), [(2, 0)]), ((8, 1, 1), []),
-        ((6, 3, 2), []), ((6, 3, 3), []),
-    ]  # fmt: skip
+    assert seen == [((6, 1, 0), [(1, 2)]), ((8, 1, 0), [(2, 0)])]
     assert s.requests["a"].output_token_ids == [7, 11, 12]
 
 
@@ -199,3 +195,26 @@ def test_cost_table_rule():
 def test_config_is_validated(kw):
     with pytest.raises(ConfigError):
         SpeculativeConfig(**kw)
+
+
+def test_a_fresh_window_waits_for_the_windows_in_flight():
+    """The window hold: b's first window opens while a's is in flight; it waits for a's
+    acceptance, and from then on one step runs both windows whole (R1), in phase."""
+    s = scheduler(2, 1, max_num_batched_tokens=16, max_num_seqs=2)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    exits = ExitSettings(1, D, 1.0)
+    s.add_request(Request("a", list(range(6)), params, exits, seed=0))
+    step = stepper(s)
+    step()  # a's prompt
+    s.add_request(Request("b", list(range(4)), params, exits, seed=0))
+    batch, rows = step([11, 12])  # a's window beside b's prompt: the prompt's D loops
+    assert batch.loop_count == D and [r[0] for r in rows] == [RowKind.SPEC, RowKind.PREFILL]
+    window = 3 * 1 + D - 1  # a window of K = 2, d = 1
+    batch, rows = step([11, 12])  # b's first token opens a fresh window: it waits
+    assert batch.sample_req_ids == ("b",) and s.requests["b"].spec is not None
+    assert [t.request_id for t in batch.requests] == ["a"]
+    assert batch.loop_count == window - D and batch.verifies  # the rest of a's window
+    for _ in range(3):
+        batch, rows = step([11, 12])
+        assert [t.request_id for t in batch.requests] == ["a", "b"]
+        assert batch.loop_count == window and len(batch.verifies) == 2

@@ -137,7 +137,9 @@ def test_sampling_is_seeded_and_batch_invariant(model_dir):
 @pytest.mark.parametrize("wavefront", [False, True])
 def test_phase_hold_changes_no_result(model_dir, wavefront):
     """Fixed-depth requests arriving at different steps get out of phase, so the scheduler holds
-    exited tokens (`DecodePlanner.phase_hold`); results still equal serial generation."""
+    exited tokens (`DecodePlanner.phase_hold`); results still equal serial generation. (Split
+    prefill runs decode rows beside a chunk for all their loops, R1, so arrivals meet them at
+    depth 0; a stall bound below the depth cuts those steps short and puts them out of phase.)"""
     rng = random.Random(7)
     jobs = []
     for i in range(6):
@@ -152,7 +154,7 @@ def test_phase_hold_changes_no_result(model_dir, wavefront):
     want = run_serial(engine(model_dir, max_num_seqs=1), jobs)
     eng = engine(
         model_dir, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=4,
-        wavefront_chunked_prefill=wavefront,
+        wavefront_chunked_prefill=wavefront, max_prefill_stall_loops=3,
     )  # fmt: skip
     sched, holds = eng.scheduler, []
     phase_hold = sched.decode.phase_hold

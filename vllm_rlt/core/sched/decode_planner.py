@@ -97,7 +97,10 @@ class DecodePlanner:
     def plan(self, running: list[Request], budget: int) -> tuple[list[ScheduledRequest], list[str]]:
         """One row per decoding request (the newest token at its next depth), and the requests
         whose next token is sampled now; no_refill holds samples until the cohort has exited.
-        A request whose last token is sampled but not yet read back has no work left."""
+        A request whose last token is sampled but not yet read back has no work left. The
+        window hold: a fresh speculative window waits while another window is in flight (has
+        run loops), so that windows open together and a step runs all of theirs to their
+        decisions at once (R1), instead of one step per phase."""
         decoding = self.decoding(running)
         ready = [r for r in decoding if r.ready_loops is not None]
         # open windows are no part of a cohort: they sample on their own
@@ -105,6 +108,7 @@ class DecodePlanner:
         hold_all = self.scheduling_mode == "no_refill" and not cohort_done
         hold_next = bool(ready) and not cohort_done and self.phase_hold(decoding, ready)
         tasks, samples, rows = [], [], 0
+        in_flight = any(r.spec is not None and r.spec.started for r in decoding)
         for req in decoding:
             if req.ready_loops is not None:
                 last = req.is_last_sample
@@ -117,6 +121,8 @@ class DecodePlanner:
                 if last:
                     continue
                 self.start(req, token, len(decoding))
+            if in_flight and req.spec is not None and not req.spec.started:
+                continue  # the window hold: fresh windows open together, after the others
             task = self._task(req)
             if task is None or rows + task.most_rows > budget:
                 continue

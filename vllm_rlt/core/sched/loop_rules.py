@@ -3,10 +3,10 @@
 `LoopRules.count`:
 
   R1. a batch with decode rows runs one loop (exit decisions and sampling at depth boundaries),
-      unless it is decode-only, no request is in prefill (or R7 holds) and no row reads its
-      gate: then it runs to the first row's decision (fixed depth: the remaining depths; a
+      unless no row reads its gate and every request in prefill has tasks in the batch (or R7
+      holds): then it runs to the first row's decision (fixed depth: the remaining depths; a
       speculative window: the rest of its draft and verify loops), no scheduling decision
-      between them;
+      between them, and beside prefill tasks (not WCPB's, R5) at most their loops (R2-R6);
   R2. a prefill-only batch runs atomically, `max(D - depth)` loops, unless
   R3. a request has an earlier piece left out of the batch that the batch's tasks would overtake
       (its planes must be written first): one loop;
@@ -54,13 +54,16 @@ class LoopRules:
     ) -> int:
         """The loop count of a batch of these tasks (`apart`: R7 holds in this step)."""
         if decode_tasks:  # R1
-            if prefill_tasks or not apart and any(r.in_prefill for r in running):
+            wavefront = bool(prefill_tasks) and self.planner.single_loop  # (R5)
+            if wavefront or not apart and self._left_out(prefill_tasks, running):
                 return 1
             loops = min(self.decode.loops_to_decision(requests[t.request_id]) for t in decode_tasks)
+            if prefill_tasks:  # the prompts do not wait for the decode rows
+                loops = min(loops, self._prefill_loops(prefill_tasks))
         elif not prefill_tasks or self.planner.single_loop:  # R5: wavefront regroups tasks
             return 1
         else:
-            loops = max((t.loops or self.num_loops) - t.depth for t in prefill_tasks)  # R2
+            loops = self._prefill_loops(prefill_tasks)  # R2
         if self.config.max_prefill_stall_loops is not None:  # R4
             loops = min(loops, self.config.max_prefill_stall_loops)
         for req_id, tasks in by_request(prefill_tasks).items():
@@ -69,3 +72,13 @@ class LoopRules:
                 return 1
             loops = min([loops] + [self.planner.loops_to_exit(req, t) for t in tasks])  # R6
         return loops
+
+    def _prefill_loops(self, prefill_tasks: list[ScheduledRequest]) -> int:
+        """The loops the deepest-reaching of `prefill_tasks` has left (R2)."""
+        return max((t.loops or self.num_loops) - t.depth for t in prefill_tasks)
+
+    @staticmethod
+    def _left_out(prefill_tasks: list[ScheduledRequest], running: list[Request]) -> bool:
+        """Whether a request in prefill has no task in the batch (it would wait for its loops)."""
+        planned = {t.request_id for t in prefill_tasks}
+        return any(r.in_prefill and r.request_id not in planned for r in running)
