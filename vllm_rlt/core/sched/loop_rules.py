@@ -53,14 +53,15 @@ class LoopRules:
         apart: bool,
     ) -> int:
         """The loop count of a batch of these tasks (`apart`: R7 holds in this step)."""
+        if prefill_tasks and self.planner.single_loop:  # R5: wavefront regroups tasks
+            return 1
         if decode_tasks:  # R1
-            wavefront = bool(prefill_tasks) and self.planner.single_loop  # (R5)
-            if wavefront or not apart and self._left_out(prefill_tasks, running):
+            if not apart and self._left_out(prefill_tasks, running):
                 return 1
             loops = min(self.decode.loops_to_decision(requests[t.request_id]) for t in decode_tasks)
             if prefill_tasks:  # the prompts do not wait for the decode rows
                 loops = min(loops, self._prefill_loops(prefill_tasks))
-        elif not prefill_tasks or self.planner.single_loop:  # R5: wavefront regroups tasks
+        elif not prefill_tasks:
             return 1
         else:
             loops = self._prefill_loops(prefill_tasks)  # R2
