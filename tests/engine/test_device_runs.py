@@ -242,35 +242,40 @@ def test_runs_shorter_than_a_tokens_loops(model_dir, run_loops):
 
 
 @pytest.mark.parametrize("ignore_eos", [False, True])
-def test_runs_take_one_tokens_loops_while_a_seat_may_free(model_dir, ignore_eos):
-    """While a request waits for a seat that a row may free within the run (a row with a stop
-    token, or within the run's reach of max_tokens), a run is no longer than a full-depth
-    token's loops (its admission, and the streams' next tokens, wait no longer than at fixed
-    depth); otherwise runs take up to device_decode_loops invocations."""
+def test_runs_are_short_while_a_seat_may_free(model_dir, ignore_eos):
+    """While a request waits for a seat that a row may free within the run, a run takes no
+    more invocations than no row can end within (a row with m tokens left before max_tokens:
+    fewer than m - 1, as a run of n takes up to n + 1 tokens), at least a full-depth
+    token's loops; with a stop token a row may end on any token, so runs are one token's
+    loops (its admission, and the streams' next tokens, wait no longer than at fixed depth).
+    Otherwise runs take up to device_decode_loops invocations."""
     eng = make_engine(model_dir, max_num_seqs=2, device_decode_loops=16)
     eng.eos_token_ids = (7, 11)
-    lengths, schedule = [], eng.scheduler.schedule
+    lengths, schedule, flight = [], eng.scheduler.schedule, [None]
 
     def recording():
         s = eng.scheduler
         left = min(r.sampling_params.max_tokens - r.num_sampled for r in s.running or s.waiting)
         waiting = bool(s.waiting)
         batch = schedule()
-        run = None if batch is None else batch.decode_run
-        fresh = run is not None and (not run.carried or run.joined)  # (rows joined it fresh)
-        if fresh and len(batch.requests) == len(run.rows):
-            lengths.append((waiting, left, batch.loop_count))  # (a run alone)
+        run = batch.decode_run
+        if run is not None and len(batch.requests) == len(run.rows) and not run.joined:
+            # (a run alone; a carried one's rows are in the states its flight started from)
+            before = RunPlanner._takes(flight[0]) if run.carried else 0
+            lengths.append((waiting, left - before, batch.loop_count))
+        flight[0] = run
         return batch
 
     eng.scheduler.schedule = recording
     params = SamplingParams(max_tokens=40, ignore_eos=ignore_eos, exit_threshold=0.5, temperature=0)
     _run(eng, [Job(f"j{i}", [3 + i] * 9, params) for i in range(5)])
     assert kv_all_free(eng)
-    long = [(left, n) for w, left, n in lengths if w and n > eng.num_loops]
-    assert any(w for w, *_ in lengths) and max(n for *_, n in lengths) > eng.num_loops
-    if ignore_eos:  # long runs while a request waits, never within reach of max_tokens
-        reach = eng.scheduler.runs.max_loops + 1  # (tokens a fresh run may take)
-        assert long and all(left > reach for left, _ in long), lengths
+    D, reach = eng.num_loops, eng.scheduler.runs.max_loops + 1  # (tokens a fresh run may take)
+    long = [(left, n) for w, left, n in lengths if w and n > D]
+    assert any(w for w, *_ in lengths) and max(n for *_, n in lengths) > D
+    if ignore_eos:  # long runs while a request waits; within reach of max_tokens, to m - 2
+        assert long and all(n <= max(D, left - 2) for left, n in long), lengths
+        assert any(left <= reach for left, _ in long), lengths  # (not one token's loops)
     else:
         assert not long, lengths
 

@@ -28,6 +28,17 @@ class DecodePlanner:
             and (r.decode is not None or r.ready_loops is not None or r.spec is not None)
         ]
 
+    @staticmethod
+    def awaits_tokens(req: Request) -> bool:
+        """Whether `req` has no work before its sampled tokens are read back: past its prefill,
+        with no token in flight or ready to sample, and no window that is not verified."""
+        return (
+            not req.in_prefill
+            and req.decode is None
+            and req.ready_loops is None
+            and (req.spec is None or req.spec.verified)
+        )
+
     def start(self, req: Request, token: DecodeToken, num_decoding: int) -> None:
         """The newest sampled `token` starts looping: in a speculative window when the adaptive
         rule takes drafts for it (`num_decoding` requests decode), else as a decode token."""

@@ -7,8 +7,9 @@ and for how many invocations, and reserves the KV blocks every token they may pr
 A run is planned over a step's decode rows with no speculative window, when some decoding
 token's exit depends on its gate or varies (fixed-depth decoding already runs all its loops per
 step, R1) and the blocks fit without preempting anyone. Alone in its batch, its length is
-`device_decode_loops` (one token's loops while a prompt waits for its prefill turn, or a request
-for a seat that a row may free within the run), at most `max_prefill_stall_loops` (R4: arrivals
+`device_decode_loops` (one token's loops while a prompt waits for its prefill turn; while a
+request waits for a seat that a row may free within the run, as many as no row can end within,
+at least one token's loops), at most `max_prefill_stall_loops` (R4: arrivals
 wait at most that many loops), and no longer than the rows' longest remaining work
 (`max_tokens`). Beside prefill tasks (mixed scheduling), it runs the prefill batch's loops
 (R2-R6), its rows riding those invocations.
@@ -213,7 +214,8 @@ class RunPlanner:
     ) -> int:
         """How many invocations a run alone over the rows of `reqs` may take:
         `device_decode_loops`, but one token's loops at full depth while a prompt waits for its
-        prefill turn, or a request for a seat that a row may free within the run (R7): an
+        prefill turn (R7), and while a request waits for a seat that a row may free within the
+        run, as many as no row can end within, at least one token's loops at full depth: an
         arrival then waits no longer for its admission, nor a stream for its next tokens, than
         at fixed depth (or `device_decode_loops`, if fewer). (`before`: tokens a row may take in
         the run in flight before it.)"""
@@ -223,9 +225,14 @@ class RunPlanner:
         # a fresh run of n invocations takes at most n + 1 tokens a row (`_takes`; a carried
         # one's lanes live at its start are positions the run before counted)
         reach = before + self.max_loops + 1
-        if waiting and any(self._may_end(r, reach) for r in reqs):
+        ends = [r for r in reqs if self._may_end(r, reach)] if waiting else []
+        if not ends:
+            return self.max_loops
+        if any(_stops(r) for r in ends):  # (may end on any token)
             return shorter
-        return self.max_loops
+        # a row with m tokens left ends in no run that takes fewer: before + n + 1 < m
+        left = min(r.sampling_params.max_tokens - r.num_sampled for r in ends)
+        return max(shorter, left - before - 2)
 
     @staticmethod
     def _takes(run: DecodeRun) -> int:
