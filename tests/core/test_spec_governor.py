@@ -50,25 +50,58 @@ def test_a_slower_speculation_is_turned_off_and_revisited_ever_more_rarely():
     s = Steps(cost={True: 3.0, False: 1.0}, tokens={True: 2, False: 1})
     s.run(PHASE * 60)
     got = phases(s.modes)
-    assert got[:2] == [True, False]  # measure both
-    # then plain decoding, speculation measured again after 8 phases, then after 16, 32
-    revisits = [i for i, on in enumerate(got) if on][1:]
-    first = 1 + FIRST_REVISIT  # plain decoding ran phases 1-8
-    second = first + 1 + 2 * FIRST_REVISIT
-    third = second + 1 + 4 * FIRST_REVISIT
-    assert revisits == [p for p in (first, second, third) if p < len(got)]
+    assert got[:3] == [True, False, True]  # measure both, and speculation a second time
+    # then plain decoding, speculation measured again (two phases) after 8 phases, 16, 32
+    revisits = [i for i, on in enumerate(got) if on][2:]
+    first = 3 + FIRST_REVISIT  # plain decoding ran phases 3-10
+    second = first + 2 + 2 * FIRST_REVISIT
+    third = second + 2 + 4 * FIRST_REVISIT
+    want = [p + look for p in (first, second, third) for look in (0, 1)]
+    assert revisits == [p for p in want if p < len(got)]
     assert s.gov.rates[3, True] < s.gov.rates[3, False]  # (4 decoding: load bucket 3)
     assert s.gov.waits[3] <= MAX_REVISIT
 
 
 def test_a_faster_speculation_stays_on_and_plain_decoding_is_remeasured():
     s = Steps(cost={True: 1.2, False: 1.0}, tokens={True: 2, False: 1})
-    s.run(PHASE * 30)
+    s.run(PHASE * 60)
     got = phases(s.modes)
-    assert got[:2] == [True, False]
+    assert got[:3] == [True, False, False]  # plain decoding slower on two looks
     off = [i for i, on in enumerate(got) if not on]
-    assert off[:2] == [1, 2 + FIRST_REVISIT]  # plain decoding measured again after 8 phases
+    assert off[:4] == [1, 2, 3 + FIRST_REVISIT, 4 + FIRST_REVISIT]  # again after 8 phases
     assert sum(got) > 0.85 * len(got)
+
+
+def slow_phase(s: Steps) -> None:
+    """A phase of the current mode in which one measured step takes 100 s (a slow spell)."""
+    mode, cost = s.gov.speculate, s.cost[s.gov.speculate]
+    s.run(SETTLE_STEPS + 1)
+    s.cost[mode] = 100.0
+    s.run(1)
+    s.cost[mode] = cost
+    s.run(PHASE - SETTLE_STEPS - 2)
+
+
+@pytest.mark.parametrize("spells", [1, 2])
+def test_a_mode_slower_on_one_phase_gets_a_second_look(spells):
+    """Speculation (faster) whose first phase caught a slow spell (its first compiles, say) is
+    measured again at once, not after FIRST_REVISIT phases of plain decoding, and keeps the
+    better of its two rates; slower on both looks, plain decoding runs."""
+    s = Steps(cost={True: 1.2, False: 1.0}, tokens={True: 2, False: 1})
+    slow_phase(s)
+    s.run(PHASE)  # plain decoding: faster than that phase
+    assert s.gov.speculate is True  # the second look
+    if spells == 2:
+        slow_phase(s)
+        assert s.gov.speculate is False
+        s.run(PHASE * FIRST_REVISIT)
+        assert not any(s.modes[-PHASE * FIRST_REVISIT :])
+        return
+    s.run(PHASE)
+    assert s.gov.rates[3, True] == pytest.approx(2 / 1.2)  # the better look
+    s.run(PHASE * 10)  # plain decoding's second look, then speculation
+    got = phases(s.modes)
+    assert got[:5] == [True, False, True, False, True] and all(got[4 : 4 + FIRST_REVISIT])
 
 
 def test_settle_steps_are_not_measured():
@@ -99,7 +132,8 @@ def test_idle_time_between_steps_is_not_measured():
     s = Steps(cost={True: 1.2, False: 1.0}, tokens={True: 2, False: 1})
     s.run(PHASE * 30, idle_every=PHASE * 3 + 7)  # some phases of each mode take an idle spell
     got = phases(s.modes)
-    assert sum(not on for on in got) <= 3  # plain decoding: measured, revisited after 8, 16
+    # plain decoding: measured, revisited after 8, 16, each time with a second look
+    assert sum(not on for on in got) <= 6
     assert s.gov.rates[3, True] == pytest.approx(2 / 1.2)
     assert s.gov.rates[3, False] == pytest.approx(1.0)
 

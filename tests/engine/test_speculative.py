@@ -21,6 +21,7 @@ import pytest
 from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched, run_serial
 from tests.helpers import chi_square_homogeneity, chi_square_sf
 from vllm_rlt.config import ConfigError
+from vllm_rlt.core.sched import spec_governor
 from vllm_rlt.core.sched.execution_batch import RowKind
 from vllm_rlt.core.sched.spec_governor import SETTLE_STEPS
 from vllm_rlt.core.sched.spec_planner import SpecPlanner
@@ -329,14 +330,17 @@ def test_logprobs_requests_decode_plainly(model_dir):
 
 
 @pytest.mark.parametrize("spec_cost", [6.0, 1.0])
-def test_the_measured_fallback_keeps_the_faster_mode_and_the_tokens(always_draft, spec_cost):
+def test_the_measured_fallback_keeps_the_faster_mode_and_the_tokens(
+    always_draft, spec_cost, monkeypatch
+):
     """`speculative_fallback` on a clock the test drives, a step costing `spec_cost` while the
-    governor speculates and 1 otherwise: six times the cost turns speculation off (windows
-    stop opening; a window's step emits at most K + 1 = 4 tokens a request), the same cost
-    keeps it on (a window's step emits its accepted drafts too); the tokens are plain
-    decoding's either way."""
+    governor speculates and 1 otherwise: six times the cost turns speculation off after two
+    looks (windows stop opening; a window's step emits at most K + 1 = 4 tokens a request),
+    the same cost keeps it on (a window's step emits its accepted drafts too); the tokens are
+    plain decoding's either way. (Phases of 8 measured steps, so that a few fit.)"""
+    monkeypatch.setattr(spec_governor, "PHASE_STEPS", 8)
     settings = dict(exit_threshold=1.0, max_num_seqs=2)
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     jobs = [Job("a", list(range(3, 40)), params), Job("b", list(range(7, 30)), params)]
     want = run_batched(make_engine(default_model_dir(), **settings), jobs)
     eng = make_engine(
@@ -345,22 +349,23 @@ def test_the_measured_fallback_keeps_the_faster_mode_and_the_tokens(always_draft
     )  # fmt: skip
     gov, now = eng.scheduler.governor, [0.0]
     gov.clock = lambda: now[0]
-    observe, steps = gov.observe, []  # (the mode, windows read back) at each step
+    observe, steps = gov.observe, []  # (the mode, windows read back) at each step at load 2
 
     def timed(tokens: int, num_decoding: int) -> None:
         now[0] += spec_cost if gov.speculate else 1.0
-        steps.append((gov.speculate, eng.scheduler.spec.num_windows))
+        if num_decoding == 2:  # (the requests' last tokens: a phase at load 1 starts)
+            steps.append((gov.speculate, eng.scheduler.spec.num_windows))
         observe(tokens, num_decoding)
 
     gov.observe = timed
     assert run_batched(eng, jobs) == want
     assert gov.rates[2, True] and gov.rates[2, False]  # both measured at 2 decoding requests
-    first_off = next(i for i, (on, _) in enumerate(steps) if not on)
+    last_on = max(i for i, (on, _) in enumerate(steps) if on)
     last_off = max(i for i, (on, _) in enumerate(steps) if not on)
     windows = eng.scheduler.spec.num_windows
     if spec_cost > 1:  # off for good: no window after those open at the switch were read
-        assert not gov.speculate
-        assert windows == steps[first_off + SETTLE_STEPS][1]
+        assert not steps[-1][0] and gov.looks[2, True] == 2
+        assert windows == steps[last_on + 1 + SETTLE_STEPS][1]
     else:  # measured faster: on again, windows opening again
-        assert gov.speculate
+        assert steps[-1][0]
         assert windows > steps[last_off][1]

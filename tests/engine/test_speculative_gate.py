@@ -216,10 +216,10 @@ def test_what_speculation_refuses():
 
 def test_the_measured_fallback_ends_lanes_that_measure_slower(monkeypatch):
     """Speculation with the exit gate under `speculative_fallback`, on a clock the test drives
-    that charges five times as much for a step while the governor speculates, in phases of 8
-    steps (runs of 8 invocations take few steps): plain decoding measures faster, no run planned
-    while the governor says so has lanes (a carried run with lanes ends), and the tokens and exit
-    depths are plain decoding's."""
+    that charges ten times as much for a step while the governor speculates, in phases of 8
+    steps (runs of 8 invocations take few steps): plain decoding measures faster than the better of
+    two looks at speculation, no run planned while the governor says so has lanes (a carried run
+    with lanes ends), and the tokens and exit depths are plain decoding's."""
     monkeypatch.setattr(spec_governor, "PHASE_STEPS", 8)
     monkeypatch.setattr(spec_governor, "SETTLE_STEPS", 2)
     params = SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True)
@@ -235,7 +235,7 @@ def test_the_measured_fallback_ends_lanes_that_measure_slower(monkeypatch):
     observe, schedule = gov.observe, eng.scheduler.schedule
 
     def timed(tokens: int, num_decoding: int) -> None:
-        now[0] += 5.0 if gov.speculate else 1.0
+        now[0] += 10.0 if gov.speculate else 1.0
         observe(tokens, num_decoding)
 
     def noted():

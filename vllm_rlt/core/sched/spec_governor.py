@@ -10,8 +10,11 @@ after every step the scheduler reports the tokens it applied, and the governor r
 the phase before finish. A phase measures one mode at the load it starts at (decoding requests,
 in buckets of powers of two; steps with none are not measured), over the time its steps take
 from plan to update: time in which the engine has nothing to do (between requests, or while
-another engine runs) is no step's. Once both modes of a load are measured the faster one runs,
-and the slower one is measured again after `FIRST_REVISIT` phases, then after twice as many each
+another engine runs) is no step's. Once both modes of a load are measured the faster one runs.
+A mode found slower on one phase's measurement gets a second look, a phase right away, and its
+rate is the better of the two: one phase that caught a slow spell (the first compiles of a
+shape, another process on the host) does not condemn it for many phases. Once it is slower on
+both, it is measured again after `FIRST_REVISIT` phases, then after twice as many each
 time it is slower again (at most `MAX_REVISIT`), so a workload whose costs change is followed
 while a settled one spends almost no time in the slower mode. Outputs never depend on it:
 speculation is exact, the governor only decides when it runs.
@@ -33,6 +36,8 @@ class SpecGovernor:
         self.clock = clock
         self.speculate = True  # the mode of the phase in progress
         self.rates: dict[tuple[int, bool], float] = {}  # (load, speculate) -> tokens per second
+        self.looks: dict[tuple[int, bool], int] = {}  # ... -> the phases its rate rests on, 1-2
+        self.second: set[int] = set()  # loads whose slower mode gets its second look next
         self.waits: dict[int, int] = {}  # load -> the wait after its next measured slower mode
         self.left: dict[int, int] = {}  # load -> phases of the faster mode left before a revisit
         self.load: int | None = None  # the load at the start of the phase in progress
@@ -61,26 +66,36 @@ class SpecGovernor:
         if self.steps < SETTLE_STEPS + PHASE_STEPS:
             return
         rate = self.tokens / self.elapsed if self.elapsed > 0 else float("inf")
-        self.rates[self.load, self.speculate] = rate
+        key = (self.load, self.speculate)
+        if self.load in self.second:  # the second look: the better of the two
+            self.second.discard(self.load)
+            self.rates[key], self.looks[key] = max(rate, self.rates[key]), 2
+        else:
+            self.rates[key], self.looks[key] = rate, 1
         self._decide(self.load)
         self.steps = 0
 
     def _mode(self, load: int) -> bool:
-        """The mode a phase at `load` starts in: a mode not measured there yet, else the faster."""
+        """The mode a phase at `load` starts in: a mode not measured there yet, the slower when
+        its second look is due, else the faster."""
         on, off = self.rates.get((load, True)), self.rates.get((load, False))
         if on is None or off is None:
             return on is None
-        return on > off
+        return (on > off) is (load not in self.second)
 
     def _decide(self, load: int) -> None:
         """The mode of the next phase, after one at `load` was measured: the mode not measured
-        yet; the faster, for `waits` phases after the slower was measured (doubling each time);
-        then the slower once."""
+        yet; the slower, when it was slower on one look; the faster, for `waits` phases after
+        the slower was measured (doubling each time); then the slower once."""
         on, off = self.rates.get((load, True)), self.rates.get((load, False))
         if on is None or off is None:
             self.speculate = on is None
             return
         faster = on > off
+        if self.looks[load, not faster] == 1:  # slower on one look: a second one now
+            self.second.add(load)
+            self.speculate = not faster
+            return
         if load not in self.left:  # the slower mode was just measured (or both, for the first time)
             wait = self.waits.get(load, FIRST_REVISIT)
             self.waits[load] = min(2 * wait, MAX_REVISIT)
