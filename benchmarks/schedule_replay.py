@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
         p,
         default=False,
         help="model the engine's async scheduling (its default): each step's tokens are applied "
-        "after the next step is scheduled, so finished requests free their slots a step later "
-        "(default: off, every step's tokens applied at once)",
+        "after the next step is scheduled, unless nothing can be planned without them, so "
+        "finished requests may free their slots a step later (default: off, every step's "
+        "tokens applied at once)",
     )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
