@@ -115,7 +115,7 @@ def test_a_window_takes_one_step(model_dir, always_draft, async_scheduling):
     step, so engine steps per emitted token are about 1 / the mean accepted length, not
     (K + 2) / it; the output is plain decoding's. With async scheduling too: the next window
     needs the acceptance, so its plan reads it back first instead of a step with no work
-    waiting for it (`Scheduler._idle`)."""
+    waiting for it (`StepUpdate._read_if_idle`)."""
     params = SamplingParams(max_tokens=31, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
     job = Job("a", list(range(3, 13)), params)
     eng = make_engine(

@@ -165,7 +165,7 @@ class Scheduler(Admission, StepUpdate):
         """The next step's plan. While a device run is in flight (planned, its results not
         applied), the continuation of that run; when the plan cannot be one, the run's results
         are read back first (this waits for the device), as are the last step's tokens when
-        nothing can be planned without them (`_idle`)."""
+        nothing can be planned without them (`_read_if_idle`)."""
         if self.governor is not None:
             self.governor.begin()
         self._stepped = None
@@ -175,9 +175,7 @@ class Scheduler(Admission, StepUpdate):
             if carried is not None:
                 return carried
             self._read_run()
-        if self._unread is not None and self._idle():
-            self._read_tokens(*self._unread)  # (the step they would have waited for: saved)
-            self._unread = None
+        self._read_if_idle()
         admitted |= self._admit()
         budget = self.config.max_num_batched_tokens
         samples: list[str] = []
@@ -206,16 +204,6 @@ class Scheduler(Admission, StepUpdate):
         self._flight = batch if run is not None else None
         self._progress(batch)
         return batch
-
-    def _idle(self) -> bool:
-        """Whether nothing can be planned before the unread answer's tokens are applied: every
-        running request awaits them (`DecodePlanner.awaits_tokens`: its newest token sampled, or
-        its window verified) and no waiting request can take a seat. With async scheduling the
-        plan then reads them back first, instead of a step with no work whose update reads
-        them (aligned speculative windows: every other step)."""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
-            return False
-        return all(self.decode.awaits_tokens(r) for r in self.running)
 
     def _decode_only(self, budget: int, admitted: dict):
         """A batch of decode work alone: (tasks, loops, samples, run). When placing it preempts

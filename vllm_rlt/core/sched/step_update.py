@@ -57,6 +57,18 @@ class StepUpdate:
         self._note([*batch.sample_req_ids, *(v.request_id for v in batch.verifies)])
         self._apply_tokens(batch, sampled)
 
+    def _read_if_idle(self) -> None:
+        """Read the last step's tokens back now (async scheduling) when nothing can be planned
+        without them: every running request awaits them (`DecodePlanner.awaits_tokens`: its
+        newest token sampled, or its window verified) and no waiting request can take a seat.
+        Otherwise the plan would be a step with no work whose update reads them (aligned
+        speculative windows: every other step)."""
+        if self._unread is None or self.waiting and len(self.running) < self.config.max_num_seqs:
+            return
+        if all(self.decode.awaits_tokens(r) for r in self.running):
+            self._read_tokens(*self._unread)
+            self._unread = None
+
     def _read_run(self) -> None:
         """Wait for the results of the device run queued last, if any, and apply them."""
         if self._unread_run is None:
