@@ -11,6 +11,10 @@ from vllm_rlt.request import Request, RequestStatus
 
 
 class Admission:
+    def _seat_wanted(self) -> bool:
+        """Whether a waiting request can take a seat now."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     def _admit(self) -> dict[str, tuple[int, int]]:
         """Move waiting requests to running while seats allow and the free blocks hold their
         whole prefill (a request admitted on less would be preempted as its prefill grows, and

@@ -224,8 +224,7 @@ class Scheduler(Admission, StepUpdate):
         """The run that goes on from the one in flight (device_runs.py `carry`), or None."""
         flight = self._flight
         reqs = [self.requests.get(t.request_id) for t in flight.requests]
-        seats = len(self.running) < self.config.max_num_seqs
-        if None in reqs or (self.waiting and seats):  # a waiting request takes a seat now
+        if None in reqs or self._seat_wanted():
             return None
         if len(reqs) > len(flight.decode_run.rows):  # it ran beside prefill
             return None

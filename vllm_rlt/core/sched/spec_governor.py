@@ -37,7 +37,6 @@ class SpecGovernor:
         self.speculate = True  # the mode of the phase in progress
         self.rates: dict[tuple[int, bool], float] = {}  # (load, speculate) -> tokens per second
         self.looks: dict[tuple[int, bool], int] = {}  # ... -> the phases its rate rests on, 1-2
-        self.second: set[int] = set()  # loads whose slower mode gets its second look next
         self.waits: dict[int, int] = {}  # load -> the wait after its next measured slower mode
         self.left: dict[int, int] = {}  # load -> phases of the faster mode left before a revisit
         self.load: int | None = None  # the load at the start of the phase in progress
@@ -67,8 +66,7 @@ class SpecGovernor:
             return
         rate = self.tokens / self.elapsed if self.elapsed > 0 else float("inf")
         key = (self.load, self.speculate)
-        if self.load in self.second:  # the second look: the better of the two
-            self.second.discard(self.load)
+        if self._second_look(self.load) is self.speculate:  # the better of the two
             self.rates[key], self.looks[key] = max(rate, self.rates[key]), 2
         else:
             self.rates[key], self.looks[key] = rate, 1
@@ -81,7 +79,17 @@ class SpecGovernor:
         on, off = self.rates.get((load, True)), self.rates.get((load, False))
         if on is None or off is None:
             return on is None
-        return (on > off) is (load not in self.second)
+        due = self._second_look(load)
+        return on > off if due is None else due
+
+    def _second_look(self, load: int) -> bool | None:
+        """The mode at `load` that measured slower on one look (its second is due), or None:
+        not both measured, or the slower one on two looks."""
+        on, off = self.rates.get((load, True)), self.rates.get((load, False))
+        if on is None or off is None:
+            return None
+        slower = not on > off
+        return slower if self.looks[load, slower] == 1 else None
 
     def _decide(self, load: int) -> None:
         """The mode of the next phase, after one at `load` was measured: the mode not measured
@@ -92,8 +100,7 @@ class SpecGovernor:
             self.speculate = on is None
             return
         faster = on > off
-        if self.looks[load, not faster] == 1:  # slower on one look: a second one now
-            self.second.add(load)
+        if self._second_look(load) is not None:  # slower on one look: a second one now
             self.speculate = not faster
             return
         if load not in self.left:  # the slower mode was just measured (or both, for the first time)

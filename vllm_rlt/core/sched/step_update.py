@@ -63,7 +63,7 @@ class StepUpdate:
         newest token sampled, or its window verified) and no waiting request can take a seat.
         Otherwise the plan would be a step with no work whose update reads them (aligned
         speculative windows: every other step)."""
-        if self._unread is None or self.waiting and len(self.running) < self.config.max_num_seqs:
+        if self._unread is None or self._seat_wanted():
             return
         if all(self.decode.awaits_tokens(r) for r in self.running):
             self._read_tokens(*self._unread)
