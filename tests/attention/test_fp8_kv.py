@@ -130,3 +130,16 @@ def test_fp8_decode_configs_by_grid_fill(monkeypatch, num_sms, rows):
     expected = TorchAttentionBackend().forward(q, k, v, _clone(cache), meta)
     got = TritonAttentionBackend().forward(q, k, v, cache, meta)
     assert _rel_err(got, expected) <= BF16_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_gpu_fp8_decode_at_the_ouro_1_4b_head_shape(rows):
+    """Decode rows of Ouro-1.4B's 16 x 128 heads (MHA) over FP8 at 600-2,500 positions, in the
+    launch configs the grid picks (on an H200: the dot at 1 and 8 rows, the broadcast-and-sum
+    of `FP8_FINE_DECODE_CONFIG` at 32)."""
+    segments = [(600 + 61 * i, 1) for i in range(rows)]
+    q, k, v, cache, meta = _fp8_case(segments, torch.bfloat16, 16 + rows, 16, 16, 128, 16)
+    expected = TorchAttentionBackend().forward(q, k, v, _clone(cache), meta)
+    got = TritonAttentionBackend().forward(q, k, v, cache, meta)
+    assert _rel_err(got, expected) <= BF16_TOL
