@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.wcpb_matrix import INPUTS, MODES, add_async_scheduling_flag, mode_settings
 from vllm_rlt.attention.metadata import tile_rows_for
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken, StepOutput
 from vllm_rlt.core.sched.exit_policy import make_exit_policy

@@ -39,7 +39,8 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
 from benchmarks.wcpb_matrix import add_async_scheduling_flag, release_device_memory
-from vllm_rlt.config import EngineConfig, SchedulerConfig
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.bench.metrics import engine_counters, summarize
 from vllm_rlt.entrypoints.bench.throughput import run_requests

@@ -48,7 +48,8 @@ import torch
 
 from benchmarks.model_shapes import write_shape
 from benchmarks.provenance import commit, engine_digest
-from vllm_rlt.config import EngineConfig, SchedulerConfig
+from vllm_rlt.config import EngineConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.engine.async_engine import AsyncLLMEngine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.entrypoints.bench.drivers import gpu_activity, run_inprocess

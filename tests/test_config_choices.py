@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from vllm_rlt import config
+from vllm_rlt import config, config_sched
 from vllm_rlt.config import SECTIONS, ConfigError, EngineConfig
 
 EXPECTED = {
@@ -17,9 +17,9 @@ EXPECTED = {
     "layer_kernels": config.LAYER_KERNELS,
     "kv_layout": config.KV_LAYOUTS,
     "kv_cache_dtype": config.KV_CACHE_DTYPES,
-    "scheduling_mode": config.SCHEDULING_MODES,
-    "queue_policy": config.QUEUE_POLICIES,
-    "exit_mode": config.EXIT_MODES,
+    "scheduling_mode": config_sched.SCHEDULING_MODES,
+    "queue_policy": config_sched.QUEUE_POLICIES,
+    "exit_mode": config_sched.EXIT_MODES,
 }
 
 

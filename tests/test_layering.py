@@ -1,6 +1,6 @@
 """The package's layers: every module imports only its own layer and the layers below it.
 
-    leaf (config, sampling_params, request, outputs, tensor_utils)
+    leaf (config, config_sched, sampling_params, request, outputs, tensor_utils)
     kernels -> attention -> models            core (no torch: the scheduler and the KV manager)
                               \\                /
                                worker -> engine -----------------------------> entrypoints
@@ -26,6 +26,7 @@ PACKAGE = Path(vllm_rlt.__file__).parent
 LEAF = {
     "config",
     "config_fields",
+    "config_sched",
     "serve_config",
     "sampling_params",
     "request",
@@ -45,7 +46,7 @@ BELOW = {
 BELOW["disagg"] = BELOW["engine"] | {"engine"}
 BELOW["entrypoints"] = BELOW["disagg"] | {"disagg"}
 # modules that must not need torch (or Triton) at run time
-TORCH_FREE = ("core", "config", "sampling_params", "request", "outputs")
+TORCH_FREE = ("core", "config", "config_sched", "sampling_params", "request", "outputs")
 
 
 def layer(module: str) -> str | None:

@@ -6,7 +6,7 @@ import preempted before the runner heard of it is withdrawn."""
 from __future__ import annotations
 
 from tests.core.test_scheduler import D, request, step
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken
 from vllm_rlt.core.sched.exit_policy import make_exit_policy

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import RowKind, SampledToken, StepOutput
 from vllm_rlt.core.sched.exit_policy import make_exit_policy

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_rlt.config import ConfigError, SchedulerConfig, SpeculativeConfig
+from vllm_rlt.config import ConfigError
+from vllm_rlt.config_sched import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import (
     DraftSample,

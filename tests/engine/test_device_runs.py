@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from tests.engine.harness import Job, compare, kv_all_free, make_engine
-from vllm_rlt.config import OFFLINE_RUN_LOOPS, SERVER_RUN_LOOPS, SchedulerConfig
+from vllm_rlt.config_sched import OFFLINE_RUN_LOOPS, SERVER_RUN_LOOPS, SchedulerConfig
 from vllm_rlt.core.sched.device_runs import RunPlanner
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
 from vllm_rlt.engine.async_engine import AsyncLLMEngine

@@ -4,7 +4,7 @@ of each open window (`SpecPlanner`)."""
 
 from __future__ import annotations
 
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.core.sched.execution_batch import RowKind, ScheduledRequest
 from vllm_rlt.core.sched.exit_policy import ExitPolicy
 from vllm_rlt.core.sched.spec_planner import SpecPlanner

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
+from vllm_rlt.config_sched import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.execution_batch import (
     DecodeRun,

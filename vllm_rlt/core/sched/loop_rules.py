@@ -30,7 +30,7 @@ Merely having waiting requests, or possible preemptions, does not split a batch.
 
 from __future__ import annotations
 
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.core.sched.decode_planner import DecodePlanner
 from vllm_rlt.core.sched.execution_batch import ScheduledRequest, by_request
 from vllm_rlt.request import Request

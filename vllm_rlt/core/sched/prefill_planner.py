@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vllm_rlt.config import KVLayout, SchedulerConfig
+from vllm_rlt.config import KVLayout
+from vllm_rlt.config_sched import SchedulerConfig
 from vllm_rlt.core.sched.execution_batch import NewRequestData, RowKind, ScheduledRequest
 from vllm_rlt.request import PrefillPiece, Request
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 
-from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
+from vllm_rlt.config_sched import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.sched.admission import Admission
 from vllm_rlt.core.sched.decode_planner import DecodePlanner

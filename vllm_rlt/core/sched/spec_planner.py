@@ -16,7 +16,7 @@ step, `ScheduledRequest.at`), a step of one loop (beside prefill) one loop of it
 
 from __future__ import annotations
 
-from vllm_rlt.config import SpeculativeConfig
+from vllm_rlt.config_sched import SpeculativeConfig
 from vllm_rlt.core.sched.execution_batch import (
     DraftSample,
     RowKind,
