@@ -16,14 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
-import sys
 from dataclasses import asdict
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import triton

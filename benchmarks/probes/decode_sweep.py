@@ -25,13 +25,9 @@ import argparse
 import functools
 import itertools
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 import torch.nn.functional as F
