@@ -26,7 +26,7 @@ from vllm_rlt.attention.triton_backend import TritonAttentionBackend  # noqa: E4
 from vllm_rlt.kernels.kv_format import FP8, FP8_MAX, KVLayer, dequantize, quantize  # noqa: E402
 from vllm_rlt.kernels.kv_write import write_kv_cache  # noqa: E402
 from vllm_rlt.kernels.paged_attention import (  # noqa: E402
-    DECODE_CONFIG,
+    FP8_DECODE_CONFIG,
     FP8_FINE_DECODE_CONFIG,
     decode_config_for,
 )
@@ -118,12 +118,12 @@ def test_the_kv_write_stores_the_scaled_values_at_their_slots_only():
 
 @pytest.mark.parametrize("num_sms,rows", [(2, 2), (4, 1)])
 def test_fp8_decode_configs_by_grid_fill(monkeypatch, num_sms, rows):
-    """Decode-only launches over FP8 take the broadcast-and-sum config where bf16 takes the
-    fine one (2 programs per SM before splitting), else the bf16 cache's, and match the
-    reference either way."""
+    """Decode-only launches over FP8 take FP8_FINE_DECODE_CONFIG where bf16 takes the fine one
+    (2 programs per SM before splitting), else FP8_DECODE_CONFIG, and match the reference either
+    way."""
     monkeypatch.setattr("vllm_rlt.kernels.paged_attention.sm_count", lambda device: num_sms)
     programs = rows * 4  # 4 KV heads
-    want = FP8_FINE_DECODE_CONFIG if programs / num_sms == 4 else DECODE_CONFIG
+    want = FP8_FINE_DECODE_CONFIG if programs / num_sms == 4 else FP8_DECODE_CONFIG
     assert decode_config_for(programs, True, num_sms, kv_fp8=True) == want
     segments = [(300 + 37 * i, 1) for i in range(rows)]
     q, k, v, cache, meta = _fp8_case(segments, torch.bfloat16, seed=7, num_kv_heads=4)
@@ -136,8 +136,8 @@ def test_fp8_decode_configs_by_grid_fill(monkeypatch, num_sms, rows):
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_gpu_fp8_decode_at_the_ouro_1_4b_head_shape(rows):
     """Decode rows of Ouro-1.4B's 16 x 128 heads (MHA) over FP8 at 600-2,500 positions, in the
-    launch configs the grid picks (on an H200: the dot at 1 and 8 rows, the broadcast-and-sum
-    of `FP8_FINE_DECODE_CONFIG` at 32)."""
+    launch configs the grid picks (on an H100 or H200: `FP8_DECODE_CONFIG` at 1 and 8 rows,
+    `FP8_FINE_DECODE_CONFIG` at 32), both one-row tiles without the dot."""
     segments = [(600 + 61 * i, 1) for i in range(rows)]
     q, k, v, cache, meta = _fp8_case(segments, torch.bfloat16, 16 + rows, 16, 16, 128, 16)
     expected = TorchAttentionBackend().forward(q, k, v, _clone(cache), meta)

@@ -186,11 +186,12 @@ def test_decode_rows_share_a_launch_with_tall_tiles_only(
 
 @pytest.mark.parametrize("use_dot", [True, False])
 def test_decode_only_mha(use_dot: bool) -> None:
-    """Decode-only batch: the one-row launch alone, with both inner products, split and not."""
+    """Decode-only batch: the one-row launch alone, with both inner products, split and not, at
+    a head size of 16 and at one padded to 16."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = LaunchConfig(block_n=32, num_warps=4, num_stages=2, use_dot=use_dot)
-    for num_splits, seed in ((1, 3), (4, 4)):
-        case = _make_case(DECODE, 2, 2, 16, 16, torch.float32, device, seed=seed)
+    for num_splits, head_dim, seed in ((1, 16, 3), (4, 16, 4), (4, 12, 5)):
+        case = _make_case(DECODE, 2, 2, head_dim, 16, torch.float32, device, seed=seed)
         _check(case, FP32_TOL, num_splits=num_splits, decode_config=cfg)
 
 

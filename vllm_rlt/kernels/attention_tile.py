@@ -13,6 +13,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# How a tile forms its inner products (PRODUCT): `tl.dot` over rows x heads padded to 16; a
+# broadcast-and-sum over a 3-D product (tiles of a few rows x heads: the interpreter's only);
+# or, for a tile of one query row (MHA decode without the dot), K loaded like V (positions x
+# dims, contiguous along dims) and p x V kept per position, summed over positions once after
+# the KV loop rather than in every step.
+SUM, DOT, ROW = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def _load_tile(ptrs, in_range, offs_d, MASKED, HEAD_DIM, HEAD_PAD, TRANSPOSED):
+    """A KV tile, [BLOCK_N, HEAD_PAD] or TRANSPOSED; zeros past the KV range (MASKED) and past
+    head_dim (padded up to the dot's minimum K of 16)."""
+    if TRANSPOSED:
+        n_ok = in_range[None, :]
+        d_ok = offs_d[:, None] < HEAD_DIM
+    else:
+        n_ok = in_range[:, None]
+        d_ok = offs_d[None, :] < HEAD_DIM
+    if HEAD_PAD != HEAD_DIM:
+        if MASKED:
+            tile = tl.load(ptrs, mask=n_ok & d_ok, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=d_ok, other=0.0)
+    elif MASKED:
+        tile = tl.load(ptrs, mask=n_ok, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
 
 @triton.jit
 def _attend_block(
@@ -35,7 +64,7 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    PRODUCT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     ACC: tl.constexpr,
@@ -47,43 +76,37 @@ def _attend_block(
     fp32 accumulation works in the log2 domain (qk_scale includes log2(e)); fp64 (ACC, exactness
     runs) in the natural one, with the scale computed in fp64 (a float argument arrives as fp32).
     KV_FP8: K and V arrive in FP8, widened to q's dtype (exact); their scales are applied by the
-    caller (K's in qk_scale, V's to the output).
+    caller (K's in qk_scale, V's to the output). ROW: acc is [BLOCK_N, HEAD_PAD], per position.
     """
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
+    in_range = offs_n < kv_end
     if MASKED:
-        in_range = offs_n < kv_end
         blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0)
     else:
         blk = tl.load(bt_ptr + offs_n // BLOCK_SIZE)
     base = blk.to(tl.int64) * stride_block + (offs_n % BLOCK_SIZE) * stride_slot + kv_head_off
-    k_ptrs = k_cache_ptr + base[None, :] + offs_d[:, None]  # K^T: [HEAD_PAD, BLOCK_N]
-    v_ptrs = v_cache_ptr + base[:, None] + offs_d[None, :]  # V: [BLOCK_N, HEAD_PAD]
-    if HEAD_PAD != HEAD_DIM:  # head_dim padded up to the dot's minimum K of 16
-        d_ok = offs_d < HEAD_DIM
-        if MASKED:
-            kt = tl.load(k_ptrs, mask=in_range[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=in_range[:, None] & d_ok[None, :], other=0.0)
-        else:
-            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    elif MASKED:
-        kt = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
-    else:
-        kt = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    if PRODUCT == ROW:  # K like V: [BLOCK_N, HEAD_PAD]
+        k = _load_tile(k_cache_ptr + base[:, None] + offs_d[None, :], in_range, offs_d, MASKED,
+                       HEAD_DIM, HEAD_PAD, False)  # fmt: skip
+    else:  # K^T: [HEAD_PAD, BLOCK_N]
+        k = _load_tile(k_cache_ptr + base[None, :] + offs_d[:, None], in_range, offs_d, MASKED,
+                       HEAD_DIM, HEAD_PAD, True)  # fmt: skip
+    v = _load_tile(v_cache_ptr + base[:, None] + offs_d[None, :], in_range, offs_d, MASKED,
+                   HEAD_DIM, HEAD_PAD, False)  # fmt: skip
     if KV_FP8:  # exact widening: to the dot's input type, or straight to the accumulator's
-        kt = kt.to(q.dtype if USE_DOT else ACC)
-        v = v.to(q.dtype if USE_DOT else ACC)
+        k = k.to(q.dtype if PRODUCT == DOT else ACC)
+        v = v.to(q.dtype if PRODUCT == DOT else ACC)
 
-    if USE_DOT:
+    if PRODUCT == DOT:
         if UPCAST or F64:
-            s = tl.dot(q.to(ACC), kt.to(ACC))
+            s = tl.dot(q.to(ACC), k.to(ACC))
         else:
-            s = tl.dot(q, kt, input_precision=PRECISION)
+            s = tl.dot(q, k, input_precision=PRECISION)
+    elif PRODUCT == ROW:  # q: one row
+        s = tl.sum(k.to(ACC) * tl.sum(q.to(ACC), 0)[None, :], 1)[None, :]
     else:
-        s = tl.sum(q.to(ACC)[:, :, None] * kt.to(ACC)[None, :, :], axis=1)
+        s = tl.sum(q.to(ACC)[:, :, None] * k.to(ACC)[None, :, :], axis=1)
     if F64:  # noqa: SIM108 (constexpr branches: only one is compiled)
         s = s * (1.0 / tl.sqrt(tl.full([1, 1], HEAD_DIM, tl.float64)))
         if KV_FP8:
@@ -103,11 +126,13 @@ def _attend_block(
         p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if USE_DOT:
+    if PRODUCT == DOT:
         if UPCAST or F64:
             acc += tl.dot(p.to(v.dtype).to(ACC), v.to(ACC))
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    elif PRODUCT == ROW:  # per position; attend_tile sums them after the KV loop
+        acc += tl.sum(p, 0)[:, None] * v.to(ACC)
     else:
         acc += tl.sum(p[:, :, None] * v.to(ACC)[None, :, :], axis=1)
     return acc, m_new, l_i
@@ -153,7 +178,7 @@ def attend_tile(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    PRODUCT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     ACC: tl.constexpr,
@@ -204,19 +229,24 @@ def attend_tile(
 
         m_i = tl.full([BLOCK_MG], float("-inf"), ACC)
         l_i = tl.zeros([BLOCK_MG], ACC)
-        acc = tl.zeros([BLOCK_MG, HEAD_PAD], ACC)
+        if PRODUCT == ROW:
+            acc = tl.zeros([BLOCK_N, HEAD_PAD], ACC)
+        else:
+            acc = tl.zeros([BLOCK_MG, HEAD_PAD], ACC)
         for start in range(kv_start, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
                 kv_head_off, stride_block, stride_slot, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                BLOCK_SIZE, False, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
+                BLOCK_SIZE, False, PRODUCT, UPCAST, PRECISION, ACC, F64, KV_FP8,
             )  # fmt: skip
         for start in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, bt_ptr, start, kv_end, pos_m,
                 kv_head_off, stride_block, stride_slot, qk_scale, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                BLOCK_SIZE, True, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
+                BLOCK_SIZE, True, PRODUCT, UPCAST, PRECISION, ACC, F64, KV_FP8,
             )  # fmt: skip
+        if PRODUCT == ROW:
+            acc = tl.sum(acc, 0)[None, :]
         if KV_FP8:  # the V scale, before the partial or the normalised output is stored
             acc = acc * v_scale
 

@@ -6,9 +6,10 @@ all query heads of its GQA group, and optionally one KV split. It reads the segm
 streams KV blocks of that plane up to the tile's last position with an fp32 online softmax, and
 masks per row (key position <= row position); the per-tile code is in `attention_tile.py`. Tiles
 come in two classes: one-row tiles (decode rows; rows x heads padded to the dot's minimum of 16,
-or a broadcast-and-sum for MHA) and multi-row tiles (prefill chunks; rows x heads form the M side
-of `tl.dot`). Each class has its launch config; beside multi-row tiles of 64 rows x heads or
-more both classes run in one launch (side by side rather than one after the other), else in two.
+or for MHA one query row against K and V without the dot) and multi-row tiles (prefill chunks;
+rows x heads form the M side of `tl.dot`). Each class has its launch config; beside multi-row
+tiles of 64 rows x heads or more both classes run in one launch (side by side rather than one
+after the other), else in two.
 A tile of zero rows does nothing: CUDA-graph buckets fill their fixed grids with such tiles
 (worker/graph_tables.py).
 
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, launch_splits, split_policy
-from vllm_rlt.kernels.attention_tile import attend_tile
+from vllm_rlt.kernels.attention_tile import DOT, ROW, SUM, attend_tile
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
 
@@ -50,7 +51,7 @@ class LaunchConfig:
     block_n: int  # KV positions per loop iteration (a power of two)
     num_warps: int  # warps per program
     num_stages: int  # software-pipelining depth of the KV loop
-    use_dot: bool = True  # tl.dot with rows padded to 16, else broadcast-and-sum (tiny M only)
+    use_dot: bool = True  # tl.dot with rows padded to 16, else a sum of products (one-row MHA)
 
 
 # Chosen from an H200 sweep (docs/design/runner.md §4).
@@ -59,10 +60,11 @@ DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=Tru
 # before splitting (9-32 rows of Ouro-1.4B's 16 heads): KV steps of 64 with 2 stages, 4-14%
 # faster at 512-4096 positions on the H200 (docs/design/runner.md §4).
 FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=4, num_stages=2, use_dot=True)
-# The same launches over an FP8 cache: the dot's FP8 -> bf16 widening of K and V ran them below
-# the bf16 cache's speed; widening to fp32 for a broadcast-and-sum in 2 warps runs 32 rows at
-# 2,048 positions 1.2x faster than the bf16 cache and 1.5x faster than the dot (H200, whole
-# recurrent core; docs/benchmarks/fp8-kv.md).
+# Over an FP8 cache a one-row MHA tile widens K and V to fp32 and runs without the dot
+# (attention_tile.ROW): the dot's FP8 -> bf16 widening ran below the bf16 cache's speed. The fine
+# launches keep KV steps of 64 in 2 warps, the others steps of 128 in 4 warps with 3 stages
+# (docs/benchmarks/fp8-kv.md §3).
+FP8_DECODE_CONFIG = LaunchConfig(block_n=128, num_warps=4, num_stages=3, use_dot=False)
 FP8_FINE_DECODE_CONFIG = LaunchConfig(block_n=64, num_warps=2, num_stages=2, use_dot=False)
 # Prefill tiles below 64 rows x heads, and from 64. Swept at the engine's 1024-row invocations
 # (docs/design/runner.md §4): 3-4% faster than 2 and 3 stages at contexts up to 512;
@@ -124,7 +126,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_ALIGN: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    PRODUCT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     ACC: tl.constexpr,
@@ -133,7 +135,7 @@ def _paged_attention_kernel(
     BOTH: tl.constexpr,
     BLOCK_MG_ONE: tl.constexpr,
     BLOCK_N_ONE: tl.constexpr,
-    USE_DOT_ONE: tl.constexpr,
+    PRODUCT_ONE: tl.constexpr,
     BALANCE_ROWS: tl.constexpr,
     KV_FP8: tl.constexpr,
     MASK_ALL: tl.constexpr,
@@ -166,13 +168,13 @@ def _paged_attention_kernel(
         if BOTH and tl.program_id(0) < num_one:
             attend_tile(
                 *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG_ONE, HEAD_DIM, HEAD_PAD, BLOCK_N_ONE,
-                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT_ONE, UPCAST, PRECISION, ACC, F64, KV_FP8,
+                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, PRODUCT_ONE, UPCAST, PRECISION, ACC, F64, KV_FP8,
                 MASK_ALL,
             )  # fmt: skip
         else:
             attend_tile(
                 *args, NUM_HEADS, GROUP, GROUP_P2, BLOCK_MG, HEAD_DIM, HEAD_PAD, BLOCK_N,
-                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, USE_DOT, UPCAST, PRECISION, ACC, F64, KV_FP8,
+                BLOCK_SIZE, SPLIT, SPLIT_ALIGN, PRODUCT, UPCAST, PRECISION, ACC, F64, KV_FP8,
                 MASK_ALL,
             )  # fmt: skip
 
@@ -225,13 +227,15 @@ def _combine_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _row_block(rows_per_tile: int, group: int, use_dot: bool) -> tuple[int, bool]:
-    """M side of a tile's dot (rows x padded GQA group, at least 16 with `tl.dot`) and whether
-    the launch uses `tl.dot`."""
+def _row_block(rows_per_tile: int, group: int, use_dot: bool) -> tuple[int, int]:
+    """M side of a tile (rows x padded GQA group, at least 16 with `tl.dot`) and its inner
+    product (`attention_tile.PRODUCT`)."""
     block_mg = triton.next_power_of_2(rows_per_tile) * triton.next_power_of_2(group)
-    # broadcast-and-sum only for tiny M on a GPU (registers); the interpreter has none to spill
-    use_dot = use_dot or (block_mg > 1 and not INTERPRET)
-    return (max(block_mg, 16) if use_dot else block_mg), use_dot
+    # without the dot only one-row MHA tiles on a GPU (registers); the interpreter has none to
+    # spill
+    if use_dot or (block_mg > 1 and not INTERPRET):
+        return max(block_mg, 16), DOT.value
+    return block_mg, (ROW if block_mg == 1 else SUM).value
 
 
 def _launch(
@@ -247,15 +251,15 @@ def _launch(
 ) -> None:
     """One launch over `tile_ids`; with `one` = (k, decode config), its first k tiles are
     one-row tiles run with the decode config's row block, KV step and inner product."""
-    block_mg, use_dot = _row_block(rows_per_tile, group, cfg.use_dot)
+    block_mg, product = _row_block(rows_per_tile, group, cfg.use_dot)
     num_one, one_cfg = one if one is not None else (0, cfg)
-    block_mg_one, use_dot_one = _row_block(1, group, one_cfg.use_dot)
+    block_mg_one, product_one = _row_block(1, group, one_cfg.use_dot)
     grid = (tile_ids.shape[0], num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         *common[:7], tile_ids, *common[7:], num_one,
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_MG=block_mg,
-        BLOCK_N=cfg.block_n, USE_DOT=use_dot, BOTH=one is not None, BLOCK_MG_ONE=block_mg_one,
-        BLOCK_N_ONE=one_cfg.block_n, USE_DOT_ONE=use_dot_one, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, PRODUCT=product, BOTH=one is not None, BLOCK_MG_ONE=block_mg_one,
+        BLOCK_N_ONE=one_cfg.block_n, PRODUCT_ONE=product_one, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **constexprs, **launch_options(constexprs["GDC"]),
     )  # fmt: skip
 
@@ -268,7 +272,7 @@ def decode_config_for(
     fine = split_policy(num_programs, decode_only, num_sms) is DECODE_SPLITS
     if fine and num_programs > num_sms:
         return FP8_FINE_DECODE_CONFIG if kv_fp8 else FINE_DECODE_CONFIG
-    return DECODE_CONFIG
+    return FP8_DECODE_CONFIG if kv_fp8 else DECODE_CONFIG
 
 
 def paged_attention(
