@@ -75,8 +75,9 @@ def _attend_block(
 
     fp32 accumulation works in the log2 domain (qk_scale includes log2(e)); fp64 (ACC, exactness
     runs) in the natural one, with the scale computed in fp64 (a float argument arrives as fp32).
-    KV_FP8: K and V arrive in FP8, widened to q's dtype (exact); their scales are applied by the
-    caller (K's in qk_scale, V's to the output). ROW: acc is [BLOCK_N, HEAD_PAD], per position.
+    KV_FP8: K and V arrive in FP8, widened exactly (to q's dtype for the dot, else to ACC); their
+    scales are applied by the caller (K's in qk_scale, V's to the output).
+    ROW: acc is [BLOCK_N, HEAD_PAD], per position.
     """
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
