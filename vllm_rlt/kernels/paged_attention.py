@@ -268,7 +268,7 @@ def decode_config_for(
     num_programs: int, decode_only: bool, num_sms: int, kv_fp8: bool = False
 ) -> LaunchConfig:
     """The decode tiles' launch config of a launch of `num_programs` (tiles x KV heads) before
-    splitting; launches with prefill tiles keep DECODE_CONFIG."""
+    splitting; launches with prefill tiles take DECODE_CONFIG (FP8_DECODE_CONFIG over FP8)."""
     fine = split_policy(num_programs, decode_only, num_sms) is DECODE_SPLITS
     if fine and num_programs > num_sms:
         return FP8_FINE_DECODE_CONFIG if kv_fp8 else FINE_DECODE_CONFIG
