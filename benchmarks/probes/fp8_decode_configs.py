@@ -4,7 +4,8 @@ Decode rows of Ouro-1.4B's heads (16 x 128, MHA) at one context each (`--context
 `--rows` rows, each case on 8 sets of blocks that a CUDA graph cycles through (sized for the
 model's longest context, so the split count is the engine's), timed as graph replay
 (`attention_bench.graph_us`): the tree's default config (`decode_config_for`) and every config
-of `CONFIGS` (block_n, warps, stages, dot), with the KV bytes over the time. An FP8 cache holds
+of `CONFIGS` (block_n, warps, stages, dot), with `--native` the native decode attention
+(`kernels/native.py`; Hopper), with the KV bytes over the time. An FP8 cache holds
 the bf16 cache's values rounded to e4m3 (scale 1). The data behind `FP8_DECODE_CONFIG` and
 `FP8_FINE_DECODE_CONFIG` (docs/benchmarks/fp8-kv.md §3). Another tree's kernels: run this
 file from that tree's root with `PYTHONPATH=.` (it names the kernels it timed).
@@ -24,6 +25,7 @@ from dataclasses import replace
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.probes.attention_bench import Bench, _env, _kv_bytes, graph_us
 from benchmarks.provenance import commit, engine_digest
+from vllm_rlt.kernels import native
 from vllm_rlt.kernels import paged_attention as pa
 from vllm_rlt.kernels.kv_format import FP8, KVLayer
 
@@ -40,7 +42,9 @@ CONFIGS = [
 ]
 
 
-def sweep(contexts: list[int], rows_list: list[int], caches: list[str], rep: int) -> list[dict]:
+def sweep(
+    contexts: list[int], rows_list: list[int], caches: list[str], rep: int, with_native: bool
+) -> list[dict]:
     bench, out = Bench(rep), []
     layers = {
         "bf16": KVLayer(bench.k_cache, bench.v_cache),
@@ -52,8 +56,9 @@ def sweep(contexts: list[int], rows_list: list[int], caches: list[str], rep: int
                 bench.cases(segs, max_sets=8)]  # fmt: skip
         for name in caches:
             line = []
-            for cfg in [None, *CONFIGS]:
-                kw = {} if cfg is None else {"decode_config": pa.LaunchConfig(*cfg)}
+            for cfg in [None, *(["native"] if with_native else []), *CONFIGS]:
+                native.MODE = "1" if cfg == "native" else "0"
+                kw = {} if cfg in (None, "native") else {"decode_config": pa.LaunchConfig(*cfg)}
                 calls = [lambda m=m, q=q, kw=kw, c=layers[name]: pa.paged_attention(q, c, m, **kw)
                          for m, q in sets]  # fmt: skip
                 us = graph_us(calls, rep)
@@ -72,10 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--caches", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
     p.add_argument("--rep", type=int, default=20, help="do_bench repetition time (ms)")
+    p.add_argument("--native", action="store_true", help="also the native decode attention")
     args = p.parse_args(argv)
     res = {"env": _env(), "command": sys.argv, "commit": commit(), "engine_sha256": engine_digest(),
            "kernels": os.path.dirname(pa.__file__)}  # fmt: skip
-    res["results"] = sweep(args.contexts, args.rows, args.caches, args.rep)
+    res["results"] = sweep(args.contexts, args.rows, args.caches, args.rep, args.native)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

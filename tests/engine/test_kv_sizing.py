@@ -113,9 +113,11 @@ def test_the_start_log_line_of_the_engine_settings(caplog):
             max_num_seqs=4, device_decode_loops=0, exit_threshold=1.0)  # fmt: skip
     assert [m for m in caplog.messages if m.startswith("engine:")] == [
         "engine: mixed scheduling, WCPB off, chunk 1024, budget 1024 tokens, 8 sequences; CUDA "
-        "graphs off; exits ouro at threshold 0.6, device runs of up to 16 invocations",
+        "graphs off; exits ouro at threshold 0.6, device runs of up to 16 invocations; native "
+        "kernels off (no CUDA device)",
         "engine: mixed scheduling, WCPB on, chunk 32, budget 1024 tokens, 4 sequences; CUDA "
-        "graphs off; exits ouro at threshold 1.0, decided on the host",
+        "graphs off; exits ouro at threshold 1.0, decided on the host; native kernels off (no "
+        "CUDA device)",
     ]
 
 

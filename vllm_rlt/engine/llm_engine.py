@@ -25,6 +25,7 @@ from vllm_rlt.core.sched.execution_batch import SampledToken
 from vllm_rlt.engine.assembly import assemble
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.stats import EngineSnapshot, EngineStats, KVCapacity
+from vllm_rlt.kernels import native
 from vllm_rlt.models.loader import LoadedModel
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.request import ExitSettings, Request, RequestStatus
@@ -73,6 +74,7 @@ class LLMEngine:
             f"{1.0 if threshold is None else threshold}, "
             + (f"device runs of up to {runs.max_loops} invocations" if runs.enabled
                else "decided on the host")
+            + f"; {native.report(self.runner.device)}"
         )  # fmt: skip
 
     # ---- requests ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels import native
 from vllm_rlt.kernels.attention_splits import DECODE_SPLITS, launch_splits, split_policy
 from vllm_rlt.kernels.attention_tile import DOT, ROW, SUM, attend_tile
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
@@ -294,7 +295,10 @@ def paged_attention(
     decode-only or mixed launches, `attention_splits.py`; a fixed count splits a tile's context
     evenly); the configs override the tuned launch shapes. `invariant`: each row's output is
     the same bits in any invocation (INVARIANT_CONFIG; no split, the configs are ignored).
+    Decode-only launches with the tuned defaults run the native kernel where it is on and has
+    an instance (`native.decode_attention`).
     """
+    tuned = num_splits is None and decode_config is None and chunk_config is None
     num_rows, num_heads, head_dim = q.shape
     k_cache, v_cache = cache.k, cache.v
     num_kv_heads = k_cache.shape[2]
@@ -344,6 +348,9 @@ def paged_attention(
         out = torch.empty(num_rows, num_heads, head_dim, device=q.device, dtype=q.dtype)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError("out must match q's shape and dtype, contiguous along head_dim")
+    may_go_native = tuned and decode_only and not invariant and q.is_cuda
+    if may_go_native and native.decode_attention(q, cache, meta, out, num_sms):
+        return out
     if num_splits > 1:
         part_acc = torch.empty(
             num_splits, num_rows, num_heads, head_dim, device=q.device, dtype=acc_dtype
