@@ -54,6 +54,7 @@ def _decode_rows(rows: int, seed: int) -> list[tuple[int, int]]:
         (8, 4, 64, torch.float16),  # GQA groups of 2
         (8, 2, 128, torch.bfloat16),  # groups of 4
         (4, 4, 64, torch.bfloat16),
+        (55, 55, 96, torch.bfloat16),  # Huginn-0125
     ],
 )
 def test_native_decode_equals_the_torch_reference(native_on, rows, heads, kv_heads, head_dim,

@@ -37,7 +37,9 @@ struct Cluster {
         all(blocks * threads),
         arenas(blocks, std::vector<unsigned char>(kArena)),
         exchange(blocks * threads) {
-    for (int b = 0; b < blocks; ++b) block_bars.push_back(std::make_unique<std::barrier<>>(threads));
+    for (int b = 0; b < blocks; ++b) {
+      block_bars.push_back(std::make_unique<std::barrier<>>(threads));
+    }
     for (int w = 0; w < blocks * threads / 32; ++w) {
       warp_bars.push_back(std::make_unique<std::barrier<>>(32));
     }

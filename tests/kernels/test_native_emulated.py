@@ -57,7 +57,12 @@ ROWS = [(0, 1), (16, 1), (130, 1), (700, 1)]
 @pytest.mark.parametrize("pieces", [1, 2, 8])
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim, dtype",
-    [(2, 2, 128, torch.bfloat16), (4, 2, 64, torch.float16), (8, 2, 64, torch.bfloat16)],
+    [
+        (2, 2, 128, torch.bfloat16),
+        (4, 2, 64, torch.float16),
+        (8, 2, 64, torch.bfloat16),
+        (3, 3, 96, torch.bfloat16),  # Huginn's head size: 12 of 16 lanes per position
+    ],
 )
 def test_emulated_native_decode_equals_the_torch_reference(emulated, pieces, heads, kv_heads,
                                                             head_dim, dtype):  # fmt: skip

@@ -12,7 +12,8 @@
 // tile_row_start[t] of segment tile_seg[t] (tile_num_rows[t] == 0: a padding tile, no work);
 // the segment's block table lists the plane's blocks; caches are [blocks, block_size, Hkv, D]
 // with D contiguous. A block of 4 warps walks its piece in steps of 4 x 32 / LANES positions:
-// LANES = D / 8 lanes hold one position's 8-element slices of K and V, and each lane keeps the
+// LANES lanes (D / 8 rounded up to a power of two; the lanes past D idle) hold one position's
+// 8-element slices of K and V, and each lane keeps the
 // online softmax of its positions for the G query heads of the KV head (GQA group), in fp32.
 // Scores are in the log2 domain (qk_scale includes log2(e) and, over FP8, K's scale); V's
 // scale multiplies the output.
@@ -106,6 +107,10 @@ __device__ __forceinline__ typename Vec8<T>::Raw load8(const T* base, int64_t of
   return *reinterpret_cast<const typename Vec8<T>::Raw*>(base + offset);
 }
 
+__host__ __device__ constexpr int pow2_at_least(int x) {
+  return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2);
+}
+
 // (m, l, acc) of another lane's positions merged into this lane's (log2 domain).
 template <int G>
 __device__ __forceinline__ void merge_lanes(float (&m)[G], float (&l)[G], float (&acc)[G][kVec],
@@ -139,11 +144,11 @@ struct Smem {
 template <typename Q, typename KV, int D, int G, bool CLUSTER>
 __global__ void __launch_bounds__(kThreads)
     decode_attention_kernel(const Params p) {
-  constexpr int LANES = D / kVec;        // lanes per position
+  constexpr int LANES = pow2_at_least(D / kVec);  // lanes per position
   constexpr int PPW = 32 / LANES;        // positions per warp and step
   constexpr int STEP = kWarps * PPW;     // positions per block and step
   constexpr int UNROLL = G == 1 ? 8 : 4;  // positions per lane whose loads are in flight together
-  static_assert(32 % LANES == 0, "head_dim / 8 must divide 32");
+  static_assert(D % kVec == 0 && LANES <= 32, "head_dim: a multiple of 8, at most 256");
 
   using Shared = Smem<G, D>;
   VRLT_SHARED(Shared, sm);
@@ -164,6 +169,7 @@ __global__ void __launch_bounds__(kThreads)
   const int pieces = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane / LANES, li = lane % LANES;
+  const bool live = li * kVec < D;  // false only for the lanes past D
 
   const int context = static_cast<int>(p.positions[row]) + 1;
   const int per_piece = (context + pieces - 1) / pieces;
@@ -176,9 +182,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const int64_t off = (kv_head * G + g) * p.stride_q_head + li * kVec;
-    Vec8<Q>::to_float(load8(q_row, off), q[g]);
+    if (live) Vec8<Q>::to_float(load8(q_row, off), q[g]);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) q[g][i] *= p.qk_scale;
+    for (int i = 0; i < kVec; ++i) q[g][i] = live ? q[g][i] * p.qk_scale : 0.f;
   }
 
   float m[G], l[G], acc[G][kVec];
@@ -204,7 +210,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < UNROLL; ++u) {
       const int pos = base + u * STEP + sub;
       ok[u] = pos < end;
-      if (ok[u]) {
+      if (ok[u] && live) {
         const int64_t blk = table[pos >> p.block_shift];
         const int64_t off = blk * p.stride_block + (pos & block_mask) * p.stride_slot + head_off;
         k_raw[u] = load8(k_cache, off);
@@ -215,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float kf[kVec];
-      if (ok[u]) {
+      if (ok[u] && live) {
         Vec8<KV>::to_float(k_raw[u], kf);
       } else {
 #pragma unroll
@@ -247,13 +253,13 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < UNROLL; ++u) {
       if (!ok[u]) continue;
       float vf[kVec];
-      Vec8<KV>::to_float(v_raw[u], vf);
+      if (live) Vec8<KV>::to_float(v_raw[u], vf);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float pr = exp2f(s[u][g] - m[g]);
         l[g] += pr;
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[g][i] = fmaf(pr, vf[i], acc[g][i]);
+        for (int i = 0; live && i < kVec; ++i) acc[g][i] = fmaf(pr, vf[i], acc[g][i]);
       }
     }
   }
@@ -269,7 +275,7 @@ __global__ void __launch_bounds__(kThreads)
         sm.warp_l[warp][g] = l[g];
       }
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) sm.warp_acc[warp][g][li * kVec + i] = acc[g][i];
+      for (int i = 0; live && i < kVec; ++i) sm.warp_acc[warp][g][li * kVec + i] = acc[g][i];
     }
   }
   __syncthreads();
@@ -364,6 +370,7 @@ cudaError_t by_shape(const Params& p, int num_tiles, int num_kv_heads, int piece
   if (head_dim == D && group == G)                                                         \
     return launch<Q, KV, D, G>(p, num_tiles, num_kv_heads, pieces, pdl, stream);
   VRLT_CASE(64, 1) VRLT_CASE(64, 2) VRLT_CASE(64, 4)
+  VRLT_CASE(96, 1) VRLT_CASE(96, 2) VRLT_CASE(96, 4)
   VRLT_CASE(128, 1) VRLT_CASE(128, 2) VRLT_CASE(128, 4)
 #undef VRLT_CASE
   return cudaErrorInvalidValue;

@@ -39,7 +39,7 @@ LIBRARY = "libvllm_rlt_native.so"
 MODE = os.environ.get("VLLM_RLT_NATIVE", "0")  # "1": build and use the native kernels
 MIN_CAPABILITY = (9, 0)  # thread-block clusters, early launch
 # decode attention: shapes with a compiled instance, and pieces per (row, KV head)
-HEAD_DIMS, GROUPS, MAX_PIECES = (64, 128), (1, 2, 4), 8
+HEAD_DIMS, GROUPS, MAX_PIECES = (64, 96, 128), (1, 2, 4), 8
 PIECES_PER_SM = 2  # split the rows' contexts until the grid holds about this many blocks per SM
 MIN_PIECE = 64  # positions of the shortest piece a launch plans for
 MAX_TILES = 65535  # rows of one launch (the grid's z dimension)
