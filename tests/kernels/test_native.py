@@ -4,6 +4,7 @@ nothing is compiled: a stand-in nvcc (a shell script) shows what the build runs 
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_a_failed_build_says_where_its_log_is(tmp_path, fake_nvcc):
     with pytest.raises(RuntimeError, match="their build failed, log: .*build.log") as err:
         native.build(fake_nvcc, "90")
     log = err.value.args[0].split("log: ")[1]
-    assert "error: bad kernel" in open(log).read()
+    assert "error: bad kernel" in Path(log).read_text()
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""A GEMM for few rows: y = x @ w.T with x [M <= 16, K] and a weight w [N, K] (nn.Linear layout).
+"""A GEMM for few rows: y = x @ w.T with x [M <= 32, K] and a weight w [N, K] (nn.Linear layout).
 
 Decode invocations multiply a handful of rows by the shared-layer weights, so the GEMMs only
 stream weights: their floor is the weight bytes over the memory bandwidth. cuBLAS reaches 55-62%
@@ -9,7 +9,7 @@ splits K: every split writes an fp32 partial and counts itself in an arrival cou
 output block; the split that arrives last adds the block's partials in split order (so the
 result does not depend on timing) and resets the counter. No second launch: the counters live
 in a zeroed buffer that every call leaves zeroed, also under CUDA-graph replay. Rows are padded
-to 16 for `tl.dot` (the padding costs no memory traffic: x is tiny).
+to 16 for `tl.dot` (the padding costs no memory traffic: x is tiny), or to 32 beyond 16 rows.
 
 Two epilogues fold the element-wise op after a projection into it: `skinny_swiglu` (SwiGLU's
 silu(gate) * up from the fused gate/up weight) and `skinny_qkv_rope` (RoPE on the q and k heads
@@ -20,7 +20,8 @@ interleaved in its tile, and finishes each pair with the roundings of the separa
 
 On Hopper GPUs the kernel is launched early (programmatic dependent launch, `pdl.py`): while the
 kernel that produces x finishes, each program pulls its first PREFETCH_K weight columns into the
-L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`); how to measure it:
+L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`; 17-32 rows take it
+only in the probes until it is measured against cuBLAS there); how to measure it:
 `docs/design/runner.md §4`.
 """
 
@@ -45,7 +46,7 @@ from vllm_rlt.kernels.pdl import (
     wait_for_primary,
 )
 
-MAX_ROWS = 16  # rows of x one launch handles (the dot's minimum M)
+MAX_ROWS = 32  # rows of x one launch handles (padded to the dot's minimum M of 16, or to 32)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREFETCH_K = 256  # K columns of its weight rows a program pulls into the L2 when launched early
 MAX_COUNTERS = 4096  # output blocks of one launch whose split arrivals a device buffer counts
@@ -295,7 +296,7 @@ def _launch(
         x, weight, out, part, counters, cos, sin, cache.k, cache.v, slots, m, n_a, n_w, k,
         x.stride(0), weight.stride(0), out.stride(0), cos.stride(0), sin.stride(0), k_per_split,
         pair_offset, rotated_cols, kv_cols, cache.k_scale, cache.v_scale,
-        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
+        BLOCK_M=16 if m <= 16 else 32, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=splits > 1,
         UPCAST=INTERPRET, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         LINE=128 // weight.element_size(), PREFETCH_K=PREFETCH_K, GDC=gdc, EPILOGUE=int(epilogue),
         HEAD_DIM=head_dim, WRITE_KV=kv is not None, FP8_CACHE=cache.fp8, num_warps=cfg.num_warps,

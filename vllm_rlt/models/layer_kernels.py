@@ -202,13 +202,16 @@ class SkinnyLayerKernels(FusedLayerKernels):
     # RoPE in the q/k/v GEMM is 1.3 us faster than a separate launch at 1 row, even at 8 and
     # 3.5 us slower at 16 (docs/design/runner.md §4)
     rope_max_rows = 8
+    # the few-row GEMM takes up to 32 rows; measured against cuBLAS up to 16
+    # (docs/design/runner.md §4)
+    max_rows = 16
 
     def __init__(self) -> None:
         super().__init__()
         self.gemm = importlib.import_module("vllm_rlt.kernels.skinny_gemm")
 
     def _few_rows(self, x: torch.Tensor, max_rows: int | None = None) -> bool:
-        max_rows = self.gemm.MAX_ROWS if max_rows is None else max_rows
+        max_rows = self.max_rows if max_rows is None else max_rows
         return x.shape[0] <= max_rows and x.dtype in self.gemm.DTYPES
 
     def linear(self, x, weight):
