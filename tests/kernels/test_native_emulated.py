@@ -54,18 +54,18 @@ def _run(library, q, cache, meta, pieces: int) -> torch.Tensor:
 ROWS = [(0, 1), (16, 1), (130, 1), (700, 1)]
 
 
-@pytest.mark.parametrize("pieces", [1, 2, 8])
 @pytest.mark.parametrize(
-    "heads, kv_heads, head_dim, dtype",
+    "heads, kv_heads, head_dim, dtype, pieces",
     [
-        (2, 2, 128, torch.bfloat16),
-        (4, 2, 64, torch.float16),
-        (8, 2, 64, torch.bfloat16),
-        (3, 3, 96, torch.bfloat16),  # Huginn's head size: 12 of 16 lanes per position
+        (2, 2, 128, torch.bfloat16, 1),  # one piece: no cluster
+        (2, 2, 128, torch.bfloat16, 8),
+        (4, 2, 64, torch.float16, 2),  # GQA groups of 2
+        (8, 2, 64, torch.bfloat16, 2),  # groups of 4
+        (3, 3, 96, torch.bfloat16, 4),  # Huginn's head size: 12 of 16 lanes per position
     ],
 )
-def test_emulated_native_decode_equals_the_torch_reference(emulated, pieces, heads, kv_heads,
-                                                            head_dim, dtype):  # fmt: skip
+def test_emulated_native_decode_equals_the_torch_reference(emulated, heads, kv_heads, head_dim,
+                                                            dtype, pieces):  # fmt: skip
     q, k, v, k_cache, v_cache, meta = _make_case(ROWS, heads, kv_heads, head_dim, 16, dtype, "cpu")
     cache = KVLayer(k_cache, v_cache)
     expected = TorchAttentionBackend().forward(q, k, v, cache, meta)  # also writes k, v
