@@ -1,10 +1,12 @@
-// An emulation of the CUDA features the native kernels use, for running them on the CPU in tests
-// (tests/kernels/test_native_emulated.py): every thread of a cluster is a host thread; shuffles,
-// __syncthreads and cluster barriers are std::barrier waits; shared memory is one arena per
-// block, laid out alike in every block, so that map_shared_rank is an offset into another
-// block's arena. Clusters run one after another. The kernel source includes it through
-// `-include` with VRLT_EMULATE defined, and replaces `__shared__` and the early-launch
-// instructions by the hooks below (VRLT_SHARED, VRLT_GDC).
+// An emulation of the CUDA features the native kernels and the CUDA probes use, for running them
+// on the CPU in tests (tests/kernels/emulation.py): every thread of a cluster is a host thread;
+// shuffles, __syncthreads and cluster barriers are std::barrier waits; shared memory is one arena
+// per block (static, then dynamic), laid out alike in every block, so that map_shared_rank is an
+// offset into another block's arena; cp.async copies at once; atomics are std::atomic_ref.
+// Clusters run one after another; a cooperative launch runs its whole grid at once (its blocks
+// may wait for each other). The kernel source includes it through `-include` with VRLT_EMULATE
+// defined, and replaces `__shared__`, inline PTX and the early-launch instructions by the hooks
+// below (VRLT_*).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +14,7 @@
 #include <math.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstddef>
 #include <cstdint>
@@ -32,10 +35,10 @@ namespace emu {
 constexpr size_t kArena = 64 * 1024;  // shared memory per block
 
 struct Cluster {
-  explicit Cluster(int blocks, int threads)
+  explicit Cluster(int blocks, int threads, size_t dynamic)
       : size(blocks),
         all(blocks * threads),
-        arenas(blocks, std::vector<unsigned char>(kArena)),
+        arenas(blocks, std::vector<unsigned char>(kArena + dynamic)),
         exchange(blocks * threads) {
     for (int b = 0; b < blocks; ++b) {
       block_bars.push_back(std::make_unique<std::barrier<>>(threads));
@@ -81,20 +84,24 @@ T shfl_xor(T v, int offset) {
 // Runs `kernel` over the launch's grid, cluster by cluster (clusters along x).
 template <typename P>
 cudaError_t launch(const cudaLaunchConfig_t& cfg, void (*kernel)(P), const P& params) {
+  const dim3 grid = cfg.gridDim, block = cfg.blockDim;
   unsigned cluster_x = 1;
   for (unsigned i = 0; i < cfg.numAttrs; ++i) {
     if (cfg.attrs[i].id == cudaLaunchAttributeClusterDimension) {
       cluster_x = cfg.attrs[i].val.clusterDim.x;
     }
+    if (cfg.attrs[i].id == cudaLaunchAttributeCooperative && cfg.attrs[i].val.cooperative) {
+      if (grid.y != 1 || grid.z != 1) return cudaErrorInvalidValue;
+      cluster_x = grid.x;  // every block at once
+    }
   }
-  const dim3 grid = cfg.gridDim, block = cfg.blockDim;
   if (grid.x % cluster_x || block.y != 1 || block.z != 1 || block.x % 32) {
     return cudaErrorInvalidValue;
   }
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x0 = 0; x0 < grid.x; x0 += cluster_x) {
-        Cluster cluster(cluster_x, block.x);
+        Cluster cluster(cluster_x, block.x, cfg.dynamicSmemBytes);
         std::vector<std::thread> threads;
         for (unsigned r = 0; r < cluster_x; ++r) {
           for (unsigned t = 0; t < block.x; ++t) {
@@ -122,6 +129,20 @@ cudaError_t launch(const cudaLaunchConfig_t& cfg, void (*kernel)(P), const P& pa
 #define __launch_bounds__(...)
 #define VRLT_SHARED(type, name) type& name = *emu::shared<type>()
 #define VRLT_GDC(instruction) ((void)0)
+#define VRLT_DYNAMIC_SMEM(name) \
+  unsigned char* name = emu::cluster_of->arenas[emu::rank].data() + emu::kArena
+#define VRLT_CP_ASYNC16(dst, src) std::memcpy((dst), (src), 16)
+#define VRLT_CP_COMMIT() ((void)0)
+#define VRLT_CP_WAIT(n) ((void)0)
+#define VRLT_LOAD_ACQUIRE(ptr, out)                                                  \
+  ((out) = std::atomic_ref<unsigned>(*(ptr)).load(std::memory_order_acquire),        \
+   std::this_thread::yield())  // a spinning waiter lets the blocks it waits for run
+#define VRLT_LOAD_L2(ptr) (*(ptr))
+
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  return std::atomic_ref<unsigned>(*address).fetch_add(value, std::memory_order_acq_rel);
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline void __syncthreads() { emu::cluster_of->block_bars[emu::rank]->arrive_and_wait(); }
 

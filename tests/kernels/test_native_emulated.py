@@ -4,41 +4,26 @@ thread of a cluster a host thread, shuffles and barriers as waits, shared memory
 cluster's blocks reading each other's), and the kernel's arithmetic, indexing, piece split and
 cluster merge are checked against the torch reference. It does not check what only a GPU shows
 (launch attributes, alignment faults, timing): the `gpu` tests do. Skipped without g++ or the
-CUDA headers (`$CUDA_HOME/include`)."""
+CUDA headers (`tests/kernels/emulation.py`)."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.attention.test_triton_backend import BF16_TOL, _make_case, _rel_err
+from tests.kernels.emulation import build_emulated
 from vllm_rlt.attention.torch_backend import TorchAttentionBackend
 from vllm_rlt.kernels import native
 from vllm_rlt.kernels.kv_format import FP8, KVLayer, quantize
 
-HEADERS = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
-
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    compiler = shutil.which("g++")
-    if compiler is None or not (HEADERS / "cuda_bf16.h").exists():
-        pytest.skip("needs g++ and the CUDA headers")
-    lib = tmp_path_factory.mktemp("emulated") / "libemulated.so"
-    subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-x", "c++", f"-I{HEADERS}",
-         "-DVRLT_EMULATE", "-include", str(Path(__file__).with_name("cuda_emu.h")),
-         str(native.SOURCES / "decode_attention.cu"), "-o", str(lib), "-lpthread"],
-        check=True,
-    )  # fmt: skip
-    return native.declare(ctypes.CDLL(str(lib)))
+    source = native.SOURCES / "decode_attention.cu"
+    return native.declare(build_emulated(source, tmp_path_factory.mktemp("emulated")))
 
 
 def _run(library, q, cache, meta, pieces: int) -> torch.Tensor:

@@ -78,9 +78,7 @@ def _load(capability: tuple[int, int]) -> Native:
     if capability < MIN_CAPABILITY:
         need, have = (".".join(map(str, c)) for c in (MIN_CAPABILITY, capability))
         return Native(None, f"compute capability {have}, they need {need}")
-    from torch.utils.cpp_extension import CUDA_HOME  # imports setuptools: only when needed
-
-    nvcc = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+    nvcc = nvcc_path()
     if not nvcc.exists():
         return Native(None, f"no CUDA toolkit to build them: no nvcc at {nvcc}")
     arch = f"{capability[0]}{capability[1]}"
@@ -89,6 +87,13 @@ def _load(capability: tuple[int, int]) -> Native:
     except RuntimeError as err:
         return Native(None, str(err))
     return Native(declare(ctypes.CDLL(str(path))), f"decode attention, sm_{arch}")
+
+
+def nvcc_path() -> Path:
+    """nvcc under the CUDA_HOME that torch.utils.cpp_extension finds (it may not exist)."""
+    from torch.utils.cpp_extension import CUDA_HOME  # imports setuptools: only when needed
+
+    return Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
 
 
 def declare(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -103,19 +108,20 @@ def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def build(nvcc: Path, arch: str) -> Path:
-    """The sources compiled for sm_`arch` (cached: built once per sources, arch and compiler)."""
-    sources = sorted(SOURCES.glob("*.cu"))
+def build(nvcc: Path, arch: str, sources: list[Path] | None = None, name: str = LIBRARY) -> Path:
+    """`sources` (default: the csrc/ tree) compiled for sm_`arch` into the shared library
+    `name`, cached: built once per sources, arch and compiler."""
+    sources = sorted(SOURCES.glob("*.cu")) if sources is None else sources
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(version.encode() + arch.encode())
     for src in sources:
         key.update(src.read_bytes())
     root = Path(os.environ.get("VLLM_RLT_CACHE_DIR", Path.home() / ".cache" / "vllm_rlt"))
-    out = root / "native" / key.hexdigest()[:16] / LIBRARY
+    out = root / "native" / key.hexdigest()[:16] / name
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f"{LIBRARY}.{os.getpid()}")  # concurrent builders publish whole files
+    partial = out.with_name(f"{name}.{os.getpid()}")  # concurrent builders publish whole files
     cmd = [str(nvcc), "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(partial),
            *map(str, sources)]  # fmt: skip
