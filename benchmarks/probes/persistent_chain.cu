@@ -2,7 +2,8 @@
 // grid barriers (docs/design/runner.md §4; benchmarks/probes/persistent_chain.py times it).
 //
 // One block per SM, launched cooperatively, runs P projections y_p = x_p @ W_p^T (bf16, fp32
-// sums) of R rows one after another; x_{p+1} is the first K_{p+1} columns of y_p, so every
+// sums) of R rows one after another (every N and K a multiple of 8); x_{p+1} is the first K_{p+1}
+// columns of y_p, so every
 // projection waits for the one before it, as a decode layer's do. Block b owns an even share of
 // each W_p's rows and streams them as tiles of 8 rows x 1024 columns through a ring of STAGES
 // tiles in shared memory (cp.async). The ring runs ahead through the block's tiles of all
@@ -96,14 +97,16 @@ __device__ void issue(const Chain& c, const Cursor& at, unsigned char* ring, int
   VRLT_CP_COMMIT();  // one group per tile, empty past the last: the wait count stays exact
 }
 
-// x of projection p into shared memory: rows of R x K_p from the kernel's input or y_{p-1}.
+// x of projection p into shared memory: rows of R x K_p from the kernel's input or y_{p-1}, in
+// 16-byte loads from the L2 (other blocks wrote y_{p-1}; K and N are multiples of 8).
 template <int R>
 __device__ void load_x(const Chain& c, int p, __nv_bfloat16* xs) {
-  const int k = c.k[p];
+  const int k8 = c.k[p] / 8;
   const __nv_bfloat16* src = p == 0 ? c.x0 : c.y[p - 1];
-  const int stride = p == 0 ? k : c.n[p - 1];
-  for (int i = threadIdx.x; i < R * k; i += kThreads) {
-    xs[i] = VRLT_LOAD_L2(src + static_cast<int64_t>(i / k) * stride + i % k);
+  const int stride = p == 0 ? c.k[p] : c.n[p - 1];
+  for (int i = threadIdx.x; i < R * k8; i += kThreads) {
+    const int64_t at = static_cast<int64_t>(i / k8) * stride + (i % k8) * 8;
+    reinterpret_cast<uint4*>(xs)[i] = VRLT_LOAD_L2(reinterpret_cast<const uint4*>(src + at));
   }
 }
 

@@ -54,8 +54,10 @@ class Chain:
     def __init__(self, weights: list[torch.Tensor], x0: torch.Tensor):
         device, rows = x0.device, x0.shape[0]
         ks = [x0.shape[1]] + [w.shape[0] for w in weights[:-1]]  # the widest each x can be
-        if any(w.shape[1] > k or w.shape[1] % 8 for w, k in zip(weights, ks, strict=True)):
-            raise ValueError("each K must be a multiple of 8 within the output before it")
+        fits = [w.shape[1] <= k and w.shape[0] % 8 == w.shape[1] % 8 == 0
+                for w, k in zip(weights, ks, strict=True)]  # fmt: skip
+        if not all(fits) or x0.shape[1] % 8:
+            raise ValueError("N and K must be multiples of 8, each K within the N before it")
         self.weights, self.x0 = weights, x0
         self.ys = [torch.zeros(rows, w.shape[0], device=device, dtype=x0.dtype) for w in weights]
         self.w_ptrs = torch.tensor([w.data_ptr() for w in weights], device=device)
