@@ -79,7 +79,8 @@ class Chain:
 
     def inputs(self) -> list[torch.Tensor]:
         """Each projection's x: the input, then the first K columns of the output before."""
-        return [self.x0] + [y[:, : w.shape[1]] for y, w in zip(self.ys, self.weights[1:])]
+        pairs = zip(self.ys[:-1], self.weights[1:], strict=True)
+        return [self.x0] + [y[:, : w.shape[1]] for y, w in pairs]
 
     def max_rel_err(self) -> float:
         """The outputs against torch in fp32 over the same inputs, projection by projection."""
@@ -93,7 +94,7 @@ class Chain:
 def layered(linear, weights: list[torch.Tensor], x0: torch.Tensor) -> torch.Tensor:
     """The chain by separate launches of `linear` (each output feeds the next)."""
     x = x0
-    for w, nxt in zip(weights, weights[1:] + [None]):
+    for w, nxt in zip(weights, weights[1:] + [None], strict=True):
         y = linear(x, w)
         x = y[:, : nxt.shape[1]] if nxt is not None else y
     return x
