@@ -1,16 +1,21 @@
-// Probe: a persistent chain of few-row projections that keeps the weight stream going across its
-// grid barriers (docs/design/runner.md §4; benchmarks/probes/persistent_chain.py times it).
+// Probe: a decode invocation's projections and norms (Ouro's layer without attention) in one
+// persistent kernel that keeps the weight stream going across its grid barriers
+// (docs/design/runner.md §4; benchmarks/probes/persistent_chain.py builds, checks and times it).
 //
 // One block per SM, launched cooperatively, runs P projections y_p = x_p @ W_p^T (bf16, fp32
-// sums) of R rows one after another (every N and K a multiple of 8); x_{p+1} is the first K_{p+1}
-// columns of y_p, so every
-// projection waits for the one before it, as a decode layer's do. Block b owns an even share of
-// each W_p's rows and streams them as tiles of 8 rows x 1024 columns through a ring of STAGES
-// tiles in shared memory (cp.async). The ring runs ahead through the block's tiles of all
-// projections: while a block waits at the barrier after projection p, the first tiles of its
-// share of W_{p+1} (no kernel writes them) are already on their way, so the barrier costs the
-// latency of reading x_{p+1} from the L2, not a cold weight stream. Each of 8 warps takes one
-// row of a tile; its lanes run along K.
+// sums) of R rows one after another (every N and K a multiple of 8). Each projection's input is
+// built, after a grid barrier, from the output before it, as the layer does (`mode`):
+//   SLICE   x = the first K columns of y_{p-1} (q standing in for attention's output);
+//   SWIGLU  x = silu(gate) * up of y_{p-1} = [gate | up];
+//   ADD_NORM h_out = h_in + norm_a(y_{p-1}), x = norm_b(h_out) (the sandwich step; block 0
+//           stores h_out, every block computes it);
+//   NORM    x = norm_b(h_in) (the first projection).
+// Block b owns an even share of each W_p's rows and streams them as tiles of 8 rows x 1024
+// columns through a ring of STAGES tiles in shared memory (cp.async). The ring runs ahead
+// through the block's tiles of all projections: while a block waits at the barrier after
+// projection p, the first tiles of its share of W_{p+1} (no kernel writes them) are already on
+// their way, so a barrier costs the latency of reading the inputs from the L2, not a cold
+// weight stream. Each of 8 warps takes one row of a tile; its lanes run along K.
 //
 // With VRLT_EMULATE defined the host compiler builds it over tests/kernels/cuda_emu.h.
 
@@ -41,14 +46,21 @@ constexpr int kTileK = 1024;       // columns per tile
 constexpr int kStages = 8;         // tiles in the ring
 constexpr int kTileBytes = kTileRows * kTileK * 2;
 
+enum Mode { SLICE = 0, SWIGLU = 1, ADD_NORM = 2, NORM = 3 };
+
 struct Chain {
-  const __nv_bfloat16* const* w;  // [P] weights [N_p, K_p], rows contiguous
-  __nv_bfloat16* const* y;        // [P] outputs [R, N_p]
-  const int* n;                   // [P]
-  const int* k;                   // [P]
-  const __nv_bfloat16* x0;        // [R, K_0]
-  unsigned* counter;              // grid barrier arrivals: zero at launch
+  const __nv_bfloat16* const* w;       // [P] weights [N_p, K_p], rows contiguous
+  __nv_bfloat16* const* y;             // [P] outputs [R, N_p]
+  const int* n;                        // [P]
+  const int* k;                        // [P]
+  const int* mode;                     // [P] how x_p is built
+  const __nv_bfloat16* const* h_in;    // [P] residual stream [R, K_p] (ADD_NORM, NORM)
+  __nv_bfloat16* const* h_out;         // [P] residual after the step (ADD_NORM)
+  const __nv_bfloat16* const* norm_a;  // [P] weights [K_p] (ADD_NORM)
+  const __nv_bfloat16* const* norm_b;  // [P] weights [K_p] (ADD_NORM, NORM)
+  unsigned* counter;                   // grid barrier arrivals: zero at launch
   int num_proj;
+  float eps;
 };
 
 // Where a block is in its tiles: projection, row group of its share, K chunk.
@@ -70,7 +82,6 @@ struct Cursor {
   }
   __device__ bool done(const Chain& c) const { return p >= c.num_proj; }
   __device__ bool last_chunk() const { return chunk == chunks - 1; }
-  __device__ bool last_of_projection() const { return group == groups - 1 && last_chunk(); }
   __device__ void advance(const Chain& c) {
     if (++chunk < chunks) return;
     chunk = 0;
@@ -97,16 +108,115 @@ __device__ void issue(const Chain& c, const Cursor& at, unsigned char* ring, int
   VRLT_CP_COMMIT();  // one group per tile, empty past the last: the wait count stays exact
 }
 
-// x of projection p into shared memory: rows of R x K_p from the kernel's input or y_{p-1}, in
-// 16-byte loads from the L2 (other blocks wrote y_{p-1}; K and N are multiples of 8).
+// The sum over the block of each row's partial (one per thread), to every thread.
 template <int R>
-__device__ void load_x(const Chain& c, int p, __nv_bfloat16* xs) {
-  const int k8 = c.k[p] / 8;
-  const __nv_bfloat16* src = p == 0 ? c.x0 : c.y[p - 1];
-  const int stride = p == 0 ? c.k[p] : c.n[p - 1];
-  for (int i = threadIdx.x; i < R * k8; i += kThreads) {
-    const int64_t at = static_cast<int64_t>(i / k8) * stride + (i % k8) * 8;
-    reinterpret_cast<uint4*>(xs)[i] = VRLT_LOAD_L2(reinterpret_cast<const uint4*>(src + at));
+__device__ void block_sums(float (&v)[R], float* scratch) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    for (int o = 16; o > 0; o >>= 1) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
+    if (lane == 0) scratch[warp * R + r] = v[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    v[r] = 0.f;
+    for (int w = 0; w < kWarps; ++w) v[r] += scratch[w * R + r];
+  }
+  __syncthreads();  // scratch is free again
+}
+
+// 8 bf16 as floats: from the L2 (written by other blocks in this launch), or from anywhere else
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&f)[8], bool l2) {
+  const uint4 raw = l2 ? VRLT_LOAD_L2(reinterpret_cast<const uint4*>(p))
+                       : *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 v = __bfloat1622float2(h[i]);
+    f[2 * i] = v.x;
+    f[2 * i + 1] = v.y;
+  }
+}
+
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// rsqrt(mean(x^2) + eps) of each of the R rows of `src` (row stride `stride`, K columns); each
+// thread reads the slices it reads in the passes after
+template <int R>
+__device__ void rms_scales(const __nv_bfloat16* src, int64_t stride, int k, bool l2, float eps,
+                           float (&scale)[R], float* scratch) {
+  float v[8];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    scale[r] = 0.f;
+    for (int d = threadIdx.x * 8; d < k; d += kThreads * 8) {
+      load8(src + r * stride + d, v, l2);
+      for (int i = 0; i < 8; ++i) scale[r] += v[i] * v[i];
+    }
+  }
+  block_sums<R>(scale, scratch);
+#pragma unroll
+  for (int r = 0; r < R; ++r) scale[r] = rsqrtf(scale[r] / k + eps);
+}
+
+// x of projection p into shared memory (R x K_p, bf16), built from the outputs before it. Each
+// thread takes the same 8-element slices of every row in every pass.
+template <int R>
+__device__ void load_x(const Chain& c, int p, __nv_bfloat16* xs, float* scratch) {
+  const int k = c.k[p], mode = c.mode[p], first = threadIdx.x * 8, step = kThreads * 8;
+  const __nv_bfloat16* y = p > 0 ? c.y[p - 1] : nullptr;
+  const int64_t stride = p > 0 ? c.n[p - 1] : 0;
+  float v[8], u[8], w[8];
+  if (mode == SLICE || mode == SWIGLU) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      for (int d = first; d < k; d += step) {
+        load8(y + r * stride + d, v, true);
+        if (mode == SWIGLU) {
+          load8(y + r * stride + d + k, u, true);
+          for (int i = 0; i < 8; ++i) v[i] = v[i] / (1.f + expf(-v[i])) * u[i];
+        }
+        store8(xs + r * k + d, v);
+      }
+    }
+    return;
+  }
+  // ADD_NORM: h_out = h_in + norm_a(y), kept in xs; then (NORM too) x = norm_b(h)
+  const __nv_bfloat16* h = c.h_in[p];
+  bool h_in_l2 = true;
+  float scale[R];
+  if (mode == ADD_NORM) {
+    rms_scales<R>(y, stride, k, true, c.eps, scale, scratch);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      for (int d = first; d < k; d += step) {
+        load8(y + r * stride + d, v, true);
+        load8(h + r * k + d, u, true);
+        load8(c.norm_a[p] + d, w, false);
+        for (int i = 0; i < 8; ++i) v[i] = u[i] + v[i] * scale[r] * w[i];
+        store8(xs + r * k + d, v);
+        if (blockIdx.x == 0) store8(c.h_out[p] + r * k + d, v);
+      }
+    }
+    h = xs;  // h_out as stored (bf16): this thread's own slices
+    h_in_l2 = false;
+  }
+  rms_scales<R>(h, k, k, h_in_l2, c.eps, scale, scratch);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    for (int d = first; d < k; d += step) {
+      load8(h + r * k + d, v, h_in_l2);
+      load8(c.norm_b[p] + d, w, false);
+      for (int i = 0; i < 8; ++i) v[i] = v[i] * scale[r] * w[i];
+      store8(xs + r * k + d, v);
+    }
   }
 }
 
@@ -127,7 +237,8 @@ template <int R>
 __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain c) {
   VRLT_DYNAMIC_SMEM(smem);
   unsigned char* ring = smem;
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + kStages * kTileBytes);
+  float* scratch = reinterpret_cast<float*>(smem + kStages * kTileBytes);  // kWarps x R
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + kWarps * R);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   Cursor produce, consume;
@@ -137,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain 
     issue(c, produce, ring, s);
     if (!produce.done(c)) produce.advance(c);
   }
-  load_x<R>(c, 0, xs);
+  load_x<R>(c, 0, xs, scratch);
   int x_of = 0;  // the projection whose x is in xs
   float acc[R];
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
@@ -146,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain 
     if (consume.p != x_of) {  // the projections before it are complete everywhere
       for (int p = x_of; p < consume.p; ++p) grid_barrier(c.counter, (p + 1) * gridDim.x);
       x_of = consume.p;
-      load_x<R>(c, x_of, xs);
+      load_x<R>(c, x_of, xs, scratch);
     }
     VRLT_CP_WAIT(kStages - 2);  // tile t has landed (this thread's copies)
     __syncthreads();            // everyone's copies; slot (t - 1) % kStages is free
@@ -193,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain 
 
 template <int R>
 cudaError_t launch(const Chain& c, int max_k, int blocks, cudaStream_t stream) {
-  const int smem = kStages * kTileBytes + R * max_k * 2;
+  const int smem = kStages * kTileBytes + kWarps * R * 4 + R * max_k * 2;
   void (*kernel)(Chain) = persistent_chain_kernel<R>;
 #ifndef VRLT_EMULATE
   const cudaError_t err =
@@ -221,12 +332,17 @@ cudaError_t launch(const Chain& c, int max_k, int blocks, cudaStream_t stream) {
 
 extern "C" {
 
-// rows: 1, 2, 4 or 8; counter: zero (the launch leaves it at blocks x (num_proj - 1)).
-int vrlt_persistent_chain(const void* w, void* y, const int* n, const int* k, const void* x0,
-                          unsigned* counter, int num_proj, int max_k, int rows, int blocks,
-                          void* stream) {
-  const Chain c{static_cast<const __nv_bfloat16* const*>(w), static_cast<__nv_bfloat16* const*>(y),
-                n, k, static_cast<const __nv_bfloat16*>(x0), counter, num_proj};
+// rows: 1, 2, 4 or 8; tables: the [P] arrays of Chain, in its order from w to norm_b; counter:
+// zero (the launch leaves it at blocks x (num_proj - 1)).
+int vrlt_persistent_chain(const void* const* tables, const int* n, const int* k, const int* mode,
+                          unsigned* counter, int num_proj, float eps, int max_k, int rows,
+                          int blocks, void* stream) {
+  using B = __nv_bfloat16;
+  const Chain c{static_cast<const B* const*>(tables[0]), static_cast<B* const*>(tables[1]),
+                n, k, mode,
+                static_cast<const B* const*>(tables[2]), static_cast<B* const*>(tables[3]),
+                static_cast<const B* const*>(tables[4]), static_cast<const B* const*>(tables[5]),
+                counter, num_proj, eps};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (rows) {
     case 1: return launch<1>(c, max_k, blocks, s);

@@ -1,13 +1,14 @@
-"""GPU time of a decode invocation's 96 projections (Ouro-1.4B: q/k/v, o, gate/up, down in 24
-layers, distinct weights) chained at R rows: the persistent kernel of `persistent_chain.cu` (one
-block per SM, a ring of weight tiles that runs ahead across its grid barriers) against the
-few-row GEMM and cuBLAS, each launch after the one before as in the engine. Every chain is
-captured in a CUDA graph and replayed; the weight bytes over the time give the bandwidth. Each
-projection's input is the first K columns of the previous one's output; the persistent outputs
-are checked projection by projection against torch in fp32 over the same inputs. What this
-tests: whether keeping the weight stream going across barriers removes the fixed cost per
-projection that separate launches pay (docs/design/runner.md §4). Needs Hopper or later and a
-CUDA toolkit (the kernel is built like the native kernels, `vllm_rlt/kernels/native.py`).
+"""GPU time of a decode invocation without attention: Ouro-1.4B's 24 layers of projections (q/k/v,
+o, gate/up, down; distinct weights) and sandwich norms at R rows, q standing in for attention's
+output. The persistent kernel of `persistent_chain.cu` (one cooperative launch, one block per SM,
+a ring of weight tiles that runs ahead across its grid barriers, the norms and SwiGLU's
+activation done by every block after a barrier) against the engine's separate launches: the
+few-row GEMM with its SwiGLU epilogue and the Triton norms, or cuBLAS with them. Every variant is
+captured in a CUDA graph and replayed; the weight bytes over the time give the bandwidth. The
+persistent outputs are checked step by step against torch in fp32 over the same inputs. What
+this tests: whether one launch that keeps the weight stream going removes the fixed cost per
+kernel that separate launches pay (docs/design/runner.md §4). Needs Hopper or later and a CUDA
+toolkit (built like the native kernels, `vllm_rlt/kernels/native.py`).
 
     python -m benchmarks.probes.persistent_chain --rows 1 4 8 --out chain.json
 """
@@ -26,78 +27,125 @@ import torch.nn.functional as F
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.probes.attention_bench import _env
 from benchmarks.provenance import commit, engine_digest
-from vllm_rlt.kernels import native
-from vllm_rlt.kernels.skinny_gemm import skinny_linear
+from vllm_rlt.kernels import fused_ops, native
+from vllm_rlt.kernels.skinny_gemm import skinny_linear, skinny_swiglu
 
 SOURCE = Path(__file__).with_name("persistent_chain.cu")
-LAYERS = 24
+SLICE, SWIGLU, ADD_NORM, NORM = range(4)  # how each projection's x is built (the kernel's Mode)
 
 
 def declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """`vrlt_persistent_chain`'s signature."""
     ptr, i = ctypes.c_void_p, ctypes.c_int
-    library.vrlt_persistent_chain.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i, i, i, i, ptr]
+    library.vrlt_persistent_chain.argtypes = [ptr, ptr, ptr, ptr, ptr, i, ctypes.c_float, i, i,
+                                              i, ptr]  # fmt: skip
     library.vrlt_persistent_chain.restype = ctypes.c_int
     return library
 
 
-def shapes(config: dict) -> list[tuple[int, int]]:
-    """(N, K) of a layer's projections, in order."""
+def layer_plan(config: dict, layers: int) -> list[tuple[int, int, int]]:
+    """(N, K, mode) of the projections of `layers` Ouro layers, in order."""
     h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
-    return [(qkv, h), (h, config["num_attention_heads"] * d), (2 * i, h), (h, i)]
+    heads = config["num_attention_heads"]
+    qkv = (heads + 2 * config["num_key_value_heads"]) * d
+    plan = []
+    for layer in range(layers):
+        plan += [(qkv, h, NORM if layer == 0 else ADD_NORM), (h, heads * d, SLICE),
+                 (2 * i, h, ADD_NORM), (h, i, SWIGLU)]  # fmt: skip
+    return plan
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
 
 
 class Chain:
-    """The weights, input and outputs of one chain, and the tables the kernel reads."""
+    """One chain's weights, norms, residual buffers and outputs, and the tables the kernel
+    reads; `run` launches it, `max_rel_err` checks it."""
 
-    def __init__(self, weights: list[torch.Tensor], x0: torch.Tensor):
-        device, rows = x0.device, x0.shape[0]
-        ks = [x0.shape[1]] + [w.shape[0] for w in weights[:-1]]  # the widest each x can be
-        fits = [w.shape[1] <= k and w.shape[0] % 8 == w.shape[1] % 8 == 0
-                for w, k in zip(weights, ks, strict=True)]  # fmt: skip
-        if not all(fits) or x0.shape[1] % 8:
-            raise ValueError("N and K must be multiples of 8, each K within the N before it")
-        self.weights, self.x0 = weights, x0
-        self.ys = [torch.zeros(rows, w.shape[0], device=device, dtype=x0.dtype) for w in weights]
-        self.w_ptrs = torch.tensor([w.data_ptr() for w in weights], device=device)
-        self.y_ptrs = torch.tensor([y.data_ptr() for y in self.ys], device=device)
+    def __init__(self, weights, modes, norms_a, norms_b, h0: torch.Tensor, eps: float):
+        device, rows = h0.device, h0.shape[0]
+        for p, (w, mode) in enumerate(zip(weights, modes, strict=True)):
+            n, k = w.shape
+            before = weights[p - 1].shape[0] if p else 0
+            fits = {SLICE: k <= before, SWIGLU: 2 * k == before, NORM: p == 0,
+                    ADD_NORM: p > 0 and k == before == h0.shape[1]}[mode]  # fmt: skip
+            if not fits or n % 8 or k % 8 or (mode == NORM and k != h0.shape[1]):
+                raise ValueError(f"projection {p} ({n} x {k}, mode {mode}) does not chain")
+        self.weights, self.modes, self.eps, self.h0 = weights, modes, eps, h0
+        self.norms_a, self.norms_b = norms_a, norms_b
+        self.ys = [torch.zeros(rows, w.shape[0], device=device, dtype=h0.dtype) for w in weights]
+        self.h_in, self.h_out, h = [], [], h0
+        for mode in modes:
+            self.h_in.append(h if mode in (ADD_NORM, NORM) else None)
+            if mode == ADD_NORM:
+                h = torch.zeros_like(h0)
+            self.h_out.append(h if mode == ADD_NORM else None)
+        columns = [weights, self.ys, self.h_in, self.h_out, norms_a, norms_b]
+        self.tables = torch.tensor(
+            [[t.data_ptr() if t is not None else 0 for t in col] for col in columns], device=device
+        )
+        self.rows_of_tables = (ctypes.c_void_p * 6)(*(row.data_ptr() for row in self.tables))
         self.n = torch.tensor([w.shape[0] for w in weights], device=device, dtype=torch.int32)
         self.k = torch.tensor([w.shape[1] for w in weights], device=device, dtype=torch.int32)
+        self.mode = torch.tensor(modes, device=device, dtype=torch.int32)
         self.counter = torch.zeros(1, device=device, dtype=torch.int32)
-        self.max_k = max(w.shape[1] for w in weights)
 
     def run(self, library: ctypes.CDLL, blocks: int, stream: int | None) -> None:
         self.counter.zero_()
+        max_k = max(w.shape[1] for w in self.weights)
         err = library.vrlt_persistent_chain(
-            self.w_ptrs.data_ptr(), self.y_ptrs.data_ptr(), self.n.data_ptr(),
-            self.k.data_ptr(), self.x0.data_ptr(), self.counter.data_ptr(), len(self.weights),
-            self.max_k, self.x0.shape[0], blocks, stream,
+            self.rows_of_tables, self.n.data_ptr(), self.k.data_ptr(), self.mode.data_ptr(),
+            self.counter.data_ptr(), len(self.weights), self.eps, max_k, self.h0.shape[0],
+            blocks, stream,
         )  # fmt: skip
         if err:
             raise RuntimeError(f"persistent chain: CUDA error {err}")
 
-    def inputs(self) -> list[torch.Tensor]:
-        """Each projection's x: the input, then the first K columns of the output before."""
-        pairs = zip(self.ys[:-1], self.weights[1:], strict=True)
-        return [self.x0] + [y[:, : w.shape[1]] for y, w in pairs]
-
     def max_rel_err(self) -> float:
-        """The outputs against torch in fp32 over the same inputs, projection by projection."""
+        """Each step against torch in fp32 over the kernel's own inputs to it: the residual
+        after each sandwich step, and each projection's output."""
         worst = 0.0
-        for x, w, y in zip(self.inputs(), self.weights, self.ys, strict=True):
-            ref = x.float() @ w.float().T
-            worst = max(worst, ((y.float() - ref).abs().max() / ref.abs().max()).item())
+
+        def err(got: torch.Tensor, ref: torch.Tensor) -> float:
+            return ((got.float() - ref).abs().max() / ref.abs().max()).item()
+
+        for p, (w, mode) in enumerate(zip(self.weights, self.modes, strict=True)):
+            k = w.shape[1]
+            y = self.ys[p - 1].float() if p else None
+            if mode == SLICE:
+                x = y[:, :k]
+            elif mode == SWIGLU:
+                x = F.silu(y[:, :k]) * y[:, k:]
+            else:
+                h = self.h_in[p].float()
+                if mode == ADD_NORM:
+                    ref_h = h + _rms(y, self.norms_a[p], self.eps)
+                    worst = max(worst, err(self.h_out[p], ref_h))
+                    h = self.h_out[p].float()
+                x = _rms(h, self.norms_b[p], self.eps)
+            worst = max(worst, err(self.ys[p], x @ w.float().T))
         return worst
 
 
-def layered(linear, weights: list[torch.Tensor], x0: torch.Tensor) -> torch.Tensor:
-    """The chain by separate launches of `linear` (each output feeds the next)."""
-    x = x0
-    for w, nxt in zip(weights, weights[1:] + [None], strict=True):
-        y = linear(x, w)
-        x = y[:, : nxt.shape[1]] if nxt is not None else y
-    return x
+def separate(chain: Chain, skinny: bool) -> torch.Tensor:
+    """The chain in the engine's separate launches: projections on the few-row GEMM (SwiGLU in
+    the gate/up launch) or cuBLAS (a separate SwiGLU launch), the Triton norms."""
+    modes, eps = chain.modes + [None], chain.eps
+    h = chain.h0
+    x = fused_ops.rms_norm(h, chain.norms_b[0], eps)
+    for p, w in enumerate(chain.weights):
+        after = modes[p + 1]
+        if after == SWIGLU:
+            x = skinny_swiglu(x, w) if skinny else fused_ops.silu_mul(F.linear(x, w))
+            continue
+        y = skinny_linear(x, w) if skinny else F.linear(x, w)
+        if after == SLICE:
+            x = y[:, : chain.weights[p + 1].shape[1]]
+        elif after == ADD_NORM:
+            h, x = fused_ops.add_rms_norm(h, y, chain.norms_a[p + 1], eps,
+                                          chain.norms_b[p + 1], eps)  # fmt: skip
+    return y
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -116,6 +164,21 @@ def graph_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def random_chain(plan, rows: int, device, gen: torch.Generator, eps: float = 1e-6) -> Chain:
+    """Random weights (scaled by 1/sqrt(K)), norms about 1 and residual stream for `plan`."""
+
+    def norm_weight(k: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(k, device=device, generator=gen)).bfloat16()
+
+    weights = [(torch.randn(n, k, device=device, generator=gen) / k**0.5).bfloat16()
+               for n, k, _ in plan]  # fmt: skip
+    modes = [mode for _, _, mode in plan]
+    norms_a = [norm_weight(k) if m == ADD_NORM else None for _, k, m in plan]
+    norms_b = [norm_weight(k) if m in (ADD_NORM, NORM) else None for _, k, m in plan]
+    h0 = torch.randn(rows, plan[0][1], device=device, generator=gen).bfloat16()
+    return Chain(weights, modes, norms_a, norms_b, h0, eps)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True)
@@ -125,23 +188,17 @@ def main(argv: list[str] | None = None) -> None:
     major, minor = torch.cuda.get_device_capability(device)
     lib_path = native.build(native.nvcc_path(), f"{major}{minor}", [SOURCE], "libchain.so")
     library = declare(ctypes.CDLL(str(lib_path)))
-    gen = torch.Generator(device=device).manual_seed(0)
-    weights = [
-        (torch.randn(n, k, device=device, generator=gen) / k**0.5).bfloat16()
-        for _ in range(LAYERS)
-        for n, k in shapes(OURO_1_4B)
-    ]
-    gbytes = sum(w.numel() * 2 for w in weights) / 1e9
+    plan = layer_plan(OURO_1_4B, OURO_1_4B["num_hidden_layers"])
+    gbytes = sum(n * k * 2 for n, k, _ in plan) / 1e9
     blocks = torch.cuda.get_device_properties(device).multi_processor_count
     stream = torch.cuda.current_stream(device).cuda_stream
     results = []
     for rows in args.rows:
-        x0 = torch.randn(rows, weights[0].shape[1], device=device, generator=gen).bfloat16()
-        chain = Chain(weights, x0)
+        chain = random_chain(plan, rows, device, torch.Generator(device=device).manual_seed(rows))
         timed = {
             "persistent": graph_us(lambda c=chain: c.run(library, blocks, stream)),
-            "skinny": graph_us(lambda x=x0: layered(skinny_linear, weights, x)),
-            "cublas": graph_us(lambda x=x0: layered(F.linear, weights, x)),
+            "skinny": graph_us(lambda c=chain: separate(c, skinny=True)),
+            "cublas": graph_us(lambda c=chain: separate(c, skinny=False)),
         }
         chain.run(library, blocks, stream)
         torch.cuda.synchronize()

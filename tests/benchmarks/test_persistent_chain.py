@@ -1,28 +1,46 @@
 """The persistent-chain probe's kernel (`benchmarks/probes/persistent_chain.cu`), run on the CPU
-over the CUDA emulation (`tests/kernels/emulation.py`): a chain whose projections cover several
-row groups and K chunks per block, wrap the ring of weight tiles, and leave a block without
-rows (it still takes part in every grid barrier) equals torch projection by projection."""
+over the CUDA emulation (`tests/kernels/emulation.py`): a chain of every input mode (a norm, a
+slice, the sandwich step, SwiGLU) whose projections cover several row groups and K chunks per
+block, wrap the ring of weight tiles, and leave a block without rows (it still takes part in
+every grid barrier) equals torch step by step; the probe's layer plan chains."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.probes import persistent_chain as pc
 from tests.kernels.emulation import build_emulated
 
-# (N, K) over 5 blocks: K = 1096 is two K chunks, N = 48 two row groups per block, N = 8 leaves
-# the fifth block without rows, N = 1104 takes 28 tiles per block (the ring of 8 wraps)
-SHAPES = [(48, 1096), (24, 48), (8, 24), (1104, 8), (40, 1096), (16, 40)]
+# (N, K, mode) over 5 blocks: K = 1032 is two K chunks, N = 1032 takes 26 tiles per block (the
+# ring of 8 wraps), N = 8 leaves the fifth block without rows
+PLAN = [
+    (32, 1032, pc.NORM),
+    (1032, 16, pc.SLICE),
+    (80, 1032, pc.ADD_NORM),
+    (1032, 40, pc.SWIGLU),
+    (8, 1032, pc.ADD_NORM),
+    (1032, 8, pc.SLICE),
+]
 BLOCKS = 5
 
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_emulated_persistent_chain_equals_torch(tmp_path, rows):
     library = pc.declare(build_emulated(pc.SOURCE, tmp_path))
-    gen = torch.Generator().manual_seed(rows)
-    weights = [(torch.randn(n, k, generator=gen) / k**0.5).bfloat16() for n, k in SHAPES]
-    chain = pc.Chain(weights, torch.randn(rows, SHAPES[0][1], generator=gen).bfloat16())
+    chain = pc.random_chain(PLAN, rows, "cpu", torch.Generator().manual_seed(rows))
     chain.run(library, blocks=BLOCKS, stream=None)
-    assert chain.max_rel_err() < 1e-2  # bf16 outputs of fp32 sums
-    assert chain.counter.item() == BLOCKS * (len(SHAPES) - 1)  # every block at every barrier
+    assert chain.max_rel_err() < 1e-2  # bf16 stores of fp32 sums
+    assert chain.counter.item() == BLOCKS * (len(PLAN) - 1)  # every block at every barrier
+
+
+def test_the_layer_plan_chains():
+    plan = pc.layer_plan(OURO_1_4B, 2)
+    assert [mode for *_, mode in plan] == [pc.NORM, pc.SLICE, pc.ADD_NORM, pc.SWIGLU] + [
+        pc.ADD_NORM,
+        pc.SLICE,
+        pc.ADD_NORM,
+        pc.SWIGLU,
+    ]
+    pc.random_chain(plan[:4], 1, "cpu", torch.Generator())  # raises if a step does not chain

@@ -143,6 +143,7 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
   return std::atomic_ref<unsigned>(*address).fetch_add(value, std::memory_order_acq_rel);
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 
 inline void __syncthreads() { emu::cluster_of->block_bars[emu::rank]->arrive_and_wait(); }
 
