@@ -147,76 +147,76 @@ __device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&f)[8]) {
   *reinterpret_cast<uint4*>(p) = raw;
 }
 
-// rsqrt(mean(x^2) + eps) of each of the R rows of `src` (row stride `stride`, K columns); each
-// thread reads the slices it reads in the passes after
+// rsqrt(mean(x^2) + eps) of each of the R rows whose slices this thread holds in `v` (zeros
+// where it holds none), over K columns
 template <int R>
-__device__ void rms_scales(const __nv_bfloat16* src, int64_t stride, int k, bool l2, float eps,
-                           float (&scale)[R], float* scratch) {
-  float v[8];
+__device__ void rms_scales(const float (&v)[R][8], int k, float eps, float (&scale)[R],
+                           float* scratch) {
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     scale[r] = 0.f;
-    for (int d = threadIdx.x * 8; d < k; d += kThreads * 8) {
-      load8(src + r * stride + d, v, l2);
-      for (int i = 0; i < 8; ++i) scale[r] += v[i] * v[i];
-    }
+    for (int i = 0; i < 8; ++i) scale[r] += v[r][i] * v[r][i];
   }
   block_sums<R>(scale, scratch);
 #pragma unroll
   for (int r = 0; r < R; ++r) scale[r] = rsqrtf(scale[r] / k + eps);
 }
 
-// x of projection p into shared memory (R x K_p, bf16), built from the outputs before it. Each
-// thread takes the same 8-element slices of every row in every pass.
+// x of projection p into shared memory (R x K_p, bf16), built from the outputs before it: every
+// thread loads all it needs in one round, then computes (the norms: one 8-column slice of each
+// row per thread: K <= kThreads x 8).
 template <int R>
 __device__ void load_x(const Chain& c, int p, __nv_bfloat16* xs, float* scratch) {
-  const int k = c.k[p], mode = c.mode[p], first = threadIdx.x * 8, step = kThreads * 8;
+  const int k = c.k[p], mode = c.mode[p];
   const __nv_bfloat16* y = p > 0 ? c.y[p - 1] : nullptr;
   const int64_t stride = p > 0 ? c.n[p - 1] : 0;
-  float v[8], u[8], w[8];
   if (mode == SLICE || mode == SWIGLU) {
+    for (int d = threadIdx.x * 8; d < k; d += kThreads * 8) {
+      float v[R][8], u[R][8];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      for (int d = first; d < k; d += step) {
-        load8(y + r * stride + d, v, true);
+      for (int r = 0; r < R; ++r) {
+        load8(y + r * stride + d, v[r], true);
+        if (mode == SWIGLU) load8(y + r * stride + d + k, u[r], true);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
         if (mode == SWIGLU) {
-          load8(y + r * stride + d + k, u, true);
-          for (int i = 0; i < 8; ++i) v[i] = v[i] / (1.f + expf(-v[i])) * u[i];
+          for (int i = 0; i < 8; ++i) v[r][i] = v[r][i] / (1.f + expf(-v[r][i])) * u[r][i];
         }
-        store8(xs + r * k + d, v);
+        store8(xs + r * k + d, v[r]);
       }
     }
     return;
   }
-  // ADD_NORM: h_out = h_in + norm_a(y), kept in xs; then (NORM too) x = norm_b(h)
-  const __nv_bfloat16* h = c.h_in[p];
-  bool h_in_l2 = true;
-  float scale[R];
+  // NORM: x = norm_b(h_in); ADD_NORM: h_out = h_in + norm_a(y) (stored in bf16), x = norm_b(h_out)
+  const int d = threadIdx.x * 8;
+  const bool mine = d < k;
+  float h[R][8] = {}, yv[R][8] = {}, wa[8] = {}, wb[8] = {}, scale[R];
+  if (mine) {
+    load8(c.norm_b[p] + d, wb, false);
+#pragma unroll
+    for (int r = 0; r < R; ++r) load8(c.h_in[p] + r * k + d, h[r], true);
+    if (mode == ADD_NORM) {
+      load8(c.norm_a[p] + d, wa, false);
+#pragma unroll
+      for (int r = 0; r < R; ++r) load8(y + r * stride + d, yv[r], true);
+    }
+  }
   if (mode == ADD_NORM) {
-    rms_scales<R>(y, stride, k, true, c.eps, scale, scratch);
+    rms_scales<R>(yv, k, c.eps, scale, scratch);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      for (int d = first; d < k; d += step) {
-        load8(y + r * stride + d, v, true);
-        load8(h + r * k + d, u, true);
-        load8(c.norm_a[p] + d, w, false);
-        for (int i = 0; i < 8; ++i) v[i] = u[i] + v[i] * scale[r] * w[i];
-        store8(xs + r * k + d, v);
-        if (blockIdx.x == 0) store8(c.h_out[p] + r * k + d, v);
+      for (int i = 0; i < 8; ++i) {  // the residual stream is stored in bf16
+        h[r][i] = __bfloat162float(__float2bfloat16_rn(h[r][i] + yv[r][i] * scale[r] * wa[i]));
       }
+      if (mine && blockIdx.x == 0) store8(c.h_out[p] + r * k + d, h[r]);
     }
-    h = xs;  // h_out as stored (bf16): this thread's own slices
-    h_in_l2 = false;
   }
-  rms_scales<R>(h, k, k, h_in_l2, c.eps, scale, scratch);
+  rms_scales<R>(h, k, c.eps, scale, scratch);
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    for (int d = first; d < k; d += step) {
-      load8(h + r * k + d, v, h_in_l2);
-      load8(c.norm_b[p] + d, w, false);
-      for (int i = 0; i < 8; ++i) v[i] = v[i] * scale[r] * w[i];
-      store8(xs + r * k + d, v);
-    }
+    for (int i = 0; i < 8; ++i) h[r][i] *= scale[r] * wb[i];
+    if (mine) store8(xs + r * k + d, h[r]);
   }
 }
 

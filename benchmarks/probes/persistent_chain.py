@@ -32,6 +32,7 @@ from vllm_rlt.kernels.skinny_gemm import skinny_linear, skinny_swiglu
 
 SOURCE = Path(__file__).with_name("persistent_chain.cu")
 SLICE, SWIGLU, ADD_NORM, NORM = range(4)  # how each projection's x is built (the kernel's Mode)
+NORM_MAX = 2048  # widest row the kernel's norms take (one 8-column slice per thread)
 
 
 def declare(library: ctypes.CDLL) -> ctypes.CDLL:
@@ -70,7 +71,8 @@ class Chain:
             before = weights[p - 1].shape[0] if p else 0
             fits = {SLICE: k <= before, SWIGLU: 2 * k == before, NORM: p == 0,
                     ADD_NORM: p > 0 and k == before == h0.shape[1]}[mode]  # fmt: skip
-            if not fits or n % 8 or k % 8 or (mode == NORM and k != h0.shape[1]):
+            norm_fits = mode not in (NORM, ADD_NORM) or k <= NORM_MAX
+            if not (fits and norm_fits) or n % 8 or k % 8 or (mode == NORM and k != h0.shape[1]):
                 raise ValueError(f"projection {p} ({n} x {k}, mode {mode}) does not chain")
         self.weights, self.modes, self.eps, self.h0 = weights, modes, eps, h0
         self.norms_a, self.norms_b = norms_a, norms_b
