@@ -114,3 +114,30 @@ def test_a_failed_build_says_where_its_log_is(tmp_path, fake_nvcc):
 )
 def test_decode_pieces_fill_the_gpu_within_a_cluster(programs, max_context, pieces):
     assert native.decode_pieces(programs, max_context, num_sms=132) == pieces
+
+
+def test_a_refused_launch_turns_the_native_kernels_off(monkeypatch, caplog):
+    """A launch the library refuses (a cudaError_t, nothing ran) leaves the launch to Triton,
+    and every later one: the log and the start line say why."""
+    real_native = native.native
+    monkeypatch.setattr(native, "MODE", "1")
+    monkeypatch.setattr(native, "_stopped", None)
+
+    class Refusing:
+        @staticmethod
+        def vrlt_decode_attention(*args):
+            return 1  # cudaErrorInvalidValue
+
+        @staticmethod
+        def vrlt_error_string(err):
+            return b"invalid argument"
+
+    monkeypatch.setattr(native, "native", lambda device: native.Native(Refusing, "sm_90"))
+    q = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    k = torch.zeros(4, 16, 16, 128, dtype=torch.bfloat16)
+    meta = build_attention_metadata([5, 9], [1, 1], [[0], [1]], 16, "cpu")
+    with caplog.at_level("WARNING", logger=native.__name__):
+        assert not native.decode_attention(q, KVLayer(k, k.clone()), meta, torch.empty_like(q), 132)
+    reason = "decode attention's launch failed: invalid argument"
+    assert reason in caplog.text
+    assert real_native(torch.device("cuda")).reason == reason

@@ -12,7 +12,8 @@ device's architecture into a shared library cached under `$VLLM_RLT_CACHE_DIR` (
 through ctypes (its entry points take raw pointers and the stream: no torch headers, a build of
 about 10 s). Anywhere else, or if the build fails, nothing is compiled and the Triton kernels
 run; `report` says which runs and why (the engine's start log line carries it). The C entry
-points return a `cudaError_t`; a launch that fails raises.
+points return a `cudaError_t`; a launch they refuse turns them off for the process (logged, and
+`report` says why): the Triton kernels run instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import subprocess
 from dataclasses import dataclass
@@ -44,6 +46,9 @@ PIECES_PER_SM = 2  # split the rows' contexts until the grid holds about this ma
 MIN_PIECE = 64  # positions of the shortest piece a launch plans for
 MAX_TILES = 65535  # rows of one launch (the grid's z dimension)
 _LOG2E = 1.4426950408889634
+logger = logging.getLogger(__name__)
+# why the native kernels stopped in this process (a launch failed), if they did
+_stopped: str | None = None
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 
 
@@ -69,6 +74,8 @@ def native(device: torch.device) -> Native:
         return Native(None, "no CUDA device")
     if MODE != "1":
         return Native(None, "VLLM_RLT_NATIVE=1 builds them")
+    if _stopped is not None:
+        return Native(None, _stopped)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _load(torch.cuda.get_device_capability(index))
 
@@ -170,12 +177,20 @@ def decode_attention(
     if found is None or found.library is None:
         return False
     pieces = decode_pieces(num_tiles * num_kv_heads, meta.max_context, num_sms)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
     args = launch_args(q, cache, meta, out, pieces, pdl(q.device), stream)
     err = found.library.vrlt_decode_attention(*args)
-    if err:
-        raise RuntimeError(f"native decode attention: {found.library.vrlt_error_string(err)}")
+    if err:  # refused at launch (nothing ran): Triton from now on
+        stop(f"decode attention's launch failed: {found.library.vrlt_error_string(err).decode()}")
+        return False
     return True
+
+
+def stop(reason: str) -> None:
+    """No native kernel runs in this process from now on (`report` gives `reason`)."""
+    global _stopped
+    _stopped = reason
+    logger.warning("native kernels off, the Triton kernels run instead: %s", reason)
 
 
 def launch_args(
