@@ -147,7 +147,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int LANES = pow2_at_least(D / kVec);  // lanes per position
   constexpr int PPW = 32 / LANES;        // positions per warp and step
   constexpr int STEP = kWarps * PPW;     // positions per block and step
-  constexpr int UNROLL = G == 1 ? 8 : 4;  // positions per lane whose loads are in flight together
+  // positions per lane whose loads are in flight together (FP8: 8-byte loads, twice as many)
+  constexpr int UNROLL = (G == 1 ? 8 : 4) * (sizeof(KV) == 1 ? 2 : 1);
   static_assert(D % kVec == 0 && LANES <= 32, "head_dim: a multiple of 8, at most 256");
 
   using Shared = Smem<G, D>;
