@@ -5,7 +5,10 @@
 // One block per SM, launched cooperatively, runs P projections y_p = x_p @ W_p^T (bf16, fp32
 // sums) of R rows one after another (every N and K a multiple of 8). Each projection's input is
 // built, after a grid barrier, from the output before it, as the layer does (`mode`):
-//   SLICE   x = the first K columns of y_{p-1} (q standing in for attention's output);
+//   SLICE   x = the first K columns of y_{p-1};
+//   ATTEND  x = attention of q (the first heads x 128 columns of y_{p-1}, the q/k/v output) over
+//           a cache of `ctx` positions per row (two more barriers: the blocks share the tasks
+//           (row, head, piece) and store partials, then merge them per (row, head));
 //   SWIGLU  x = silu(gate) * up of y_{p-1} = [gate | up];
 //   ADD_NORM h_out = h_in + norm_a(y_{p-1}), x = norm_b(h_out) (the sandwich step; block 0
 //           stores h_out, every block computes it);
@@ -45,8 +48,11 @@ constexpr int kTileRows = kWarps;  // one weight row per warp
 constexpr int kTileK = 1024;       // columns per tile
 constexpr int kStages = 8;         // tiles in the ring
 constexpr int kTileBytes = kTileRows * kTileK * 2;
+constexpr int kHeadDim = 128;  // attention: 16 lanes x 8 dims per position, 2 positions per warp
+constexpr int kPartial = kHeadDim + 2;  // a piece's partial: output, running max, sum
+constexpr float kNegInf = -__builtin_huge_valf();
 
-enum Mode { SLICE = 0, SWIGLU = 1, ADD_NORM = 2, NORM = 3 };
+enum Mode { SLICE = 0, SWIGLU = 1, ADD_NORM = 2, NORM = 3, ATTEND = 4 };
 
 struct Chain {
   const __nv_bfloat16* const* w;       // [P] weights [N_p, K_p], rows contiguous
@@ -58,9 +64,14 @@ struct Chain {
   __nv_bfloat16* const* h_out;         // [P] residual after the step (ADD_NORM)
   const __nv_bfloat16* const* norm_a;  // [P] weights [K_p] (ADD_NORM)
   const __nv_bfloat16* const* norm_b;  // [P] weights [K_p] (ADD_NORM, NORM)
-  unsigned* counter;                   // grid barrier arrivals: zero at launch
+  const __nv_bfloat16* const* k_cache;  // [P] [R, ctx, heads, 128] (ATTEND)
+  const __nv_bfloat16* const* v_cache;  // [P] likewise
+  float* const* part;                   // [P] [R, heads, pieces, kPartial] (ATTEND)
+  __nv_bfloat16* const* attn;           // [P] attention output [R, heads x 128] (ATTEND)
+  unsigned* counter;                    // grid barrier arrivals: zero at launch
   int num_proj;
   float eps;
+  int heads, ctx, pieces;
 };
 
 // Where a block is in its tiles: projection, row group of its share, K chunk.
@@ -168,9 +179,9 @@ __device__ void rms_scales(const float (&v)[R][8], int k, float eps, float (&sca
 template <int R>
 __device__ void load_x(const Chain& c, int p, __nv_bfloat16* xs, float* scratch) {
   const int k = c.k[p], mode = c.mode[p];
-  const __nv_bfloat16* y = p > 0 ? c.y[p - 1] : nullptr;
-  const int64_t stride = p > 0 ? c.n[p - 1] : 0;
-  if (mode == SLICE || mode == SWIGLU) {
+  const __nv_bfloat16* y = mode == ATTEND ? c.attn[p] : p > 0 ? c.y[p - 1] : nullptr;
+  const int64_t stride = mode == ATTEND ? k : p > 0 ? c.n[p - 1] : 0;
+  if (mode == SLICE || mode == SWIGLU || mode == ATTEND) {
     for (int d = threadIdx.x * 8; d < k; d += kThreads * 8) {
       float v[R][8], u[R][8];
 #pragma unroll
@@ -233,12 +244,116 @@ __device__ void grid_barrier(unsigned* counter, unsigned target) {
   __syncthreads();
 }
 
+// Projection p's attention (ATTEND): the tasks (row, head, piece) shared over the blocks, each
+// storing its piece's partial in part[p] (log2 domain). 8 warps walk a piece, 2 positions per
+// warp and step, 16 lanes of 8 dims per position; `work`: kWarps x kPartial floats.
+template <int R>
+__device__ void attend(const Chain& c, int p, float* work) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / 16, li = lane % 16;
+  const int heads = c.heads, ctx = c.ctx, pieces = c.pieces, per = (ctx + pieces - 1) / pieces;
+  const __nv_bfloat16* y = c.y[p - 1];
+  const int64_t stride = c.n[p - 1], pos_stride = static_cast<int64_t>(heads) * kHeadDim;
+  const float scale = rsqrtf(static_cast<float>(kHeadDim)) * 1.4426950408889634f;
+  for (int task = blockIdx.x; task < R * heads * pieces; task += gridDim.x) {
+    const int r = task / (heads * pieces), h = task / pieces % heads, s = task % pieces;
+    const int begin = s * per, end = min(ctx, begin + per);
+    float q[8], kf[8], vf[8], acc[8] = {}, m = kNegInf, l = 0.f;
+    load8(y + r * stride + h * kHeadDim + li * 8, q, true);
+    for (int i = 0; i < 8; ++i) q[i] *= scale;
+    const int64_t head0 = r * ctx * pos_stride + h * kHeadDim + li * 8;
+    for (int base = begin + warp * 2; base < end; base += kWarps * 2) {  // warp-uniform
+      const int pos = base + sub;
+      const bool ok = pos < end;
+      float dot = 0.f;
+      if (ok) {
+        load8(c.k_cache[p] + head0 + pos * pos_stride, kf, false);
+        load8(c.v_cache[p] + head0 + pos * pos_stride, vf, false);
+        for (int i = 0; i < 8; ++i) dot += q[i] * kf[i];
+      }
+      for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (ok) {
+        const float mn = fmaxf(m, dot), cm = exp2f(m - mn), pr = exp2f(dot - mn);
+        l = l * cm + pr;
+        for (int i = 0; i < 8; ++i) acc[i] = acc[i] * cm + pr * vf[i];
+        m = mn;
+      }
+    }
+    {  // the warp's two positions per step
+      const float mo = __shfl_xor_sync(0xffffffffu, m, 16), lo = __shfl_xor_sync(0xffffffffu, l, 16);
+      const float mn = fmaxf(m, mo);
+      const float ca = mn == kNegInf ? 0.f : exp2f(m - mn), cb = mn == kNegInf ? 0.f : exp2f(mo - mn);
+      for (int i = 0; i < 8; ++i) {
+        acc[i] = acc[i] * ca + __shfl_xor_sync(0xffffffffu, acc[i], 16) * cb;
+      }
+      l = l * ca + lo * cb;
+      m = mn;
+    }
+    float* mine = work + warp * kPartial;
+    if (sub == 0) {
+      for (int i = 0; i < 8; ++i) mine[li * 8 + i] = acc[i];
+      if (li == 0) {
+        mine[kHeadDim] = m;
+        mine[kHeadDim + 1] = l;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < kHeadDim) {  // the block's piece: its warps merged
+      float mx = kNegInf, a = 0.f, sum = 0.f;
+      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, work[w * kPartial + kHeadDim]);
+      for (int w = 0; mx != kNegInf && w < kWarps; ++w) {
+        const float cw = exp2f(work[w * kPartial + kHeadDim] - mx);
+        a += cw * work[w * kPartial + threadIdx.x];
+        sum += cw * work[w * kPartial + kHeadDim + 1];
+      }
+      float* out = c.part[p] + static_cast<int64_t>(task) * kPartial;
+      out[threadIdx.x] = a;
+      if (threadIdx.x == 0) {
+        out[kHeadDim] = mx;
+        out[kHeadDim + 1] = sum;
+      }
+    }
+    __syncthreads();  // `work` is free again
+  }
+}
+
+// Projection p's attention output (ATTEND): each (row, head)'s pieces merged, shared over blocks.
+template <int R>
+__device__ void merge(const Chain& c, int p) {
+  const int heads = c.heads, pieces = c.pieces, d = threadIdx.x;
+  for (int pair = blockIdx.x; pair < R * heads && d < kHeadDim; pair += gridDim.x) {
+    const float* part = c.part[p] + static_cast<int64_t>(pair) * pieces * kPartial;
+    float mx = kNegInf, a = 0.f, sum = 0.f;
+    for (int s = 0; s < pieces; ++s) mx = fmaxf(mx, VRLT_LOAD_L2(part + s * kPartial + kHeadDim));
+    for (int s = 0; s < pieces; ++s) {  // piece 0 holds position 0: mx is finite
+      const float ms = VRLT_LOAD_L2(part + s * kPartial + kHeadDim);
+      const float cs = ms == kNegInf ? 0.f : exp2f(ms - mx);
+      a += cs * VRLT_LOAD_L2(part + s * kPartial + d);
+      sum += cs * VRLT_LOAD_L2(part + s * kPartial + kHeadDim + 1);
+    }
+    c.attn[p][static_cast<int64_t>(pair) * kHeadDim + d] = __float2bfloat16_rn(a / sum);
+  }
+}
+
+// What runs between projections p and p + 1 in every block: a grid barrier, and for an ATTEND
+// projection its attention and merge, each followed by one.
+template <int R>
+__device__ void between(const Chain& c, int p, int& barriers, float* work) {
+  grid_barrier(c.counter, ++barriers * gridDim.x);
+  if (c.mode[p + 1] == ATTEND) {
+    attend<R>(c, p + 1, work);
+    grid_barrier(c.counter, ++barriers * gridDim.x);
+    merge<R>(c, p + 1);
+    grid_barrier(c.counter, ++barriers * gridDim.x);
+  }
+}
+
 template <int R>
 __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain c) {
   VRLT_DYNAMIC_SMEM(smem);
   unsigned char* ring = smem;
   float* scratch = reinterpret_cast<float*>(smem + kStages * kTileBytes);  // kWarps x R
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + kWarps * R);
+  float* work = scratch + kWarps * R;  // attention: kWarps x kPartial
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(work + kWarps * kPartial);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   Cursor produce, consume;
@@ -250,12 +365,13 @@ __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain 
   }
   load_x<R>(c, 0, xs, scratch);
   int x_of = 0;  // the projection whose x is in xs
+  int barriers = 0;  // grid barriers passed
   float acc[R];
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
 
   for (int t = 0; !consume.done(c); ++t) {
     if (consume.p != x_of) {  // the projections before it are complete everywhere
-      for (int p = x_of; p < consume.p; ++p) grid_barrier(c.counter, (p + 1) * gridDim.x);
+      for (int p = x_of; p < consume.p; ++p) between<R>(c, p, barriers, work);
       x_of = consume.p;
       load_x<R>(c, x_of, xs, scratch);
     }
@@ -299,12 +415,12 @@ __global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain 
     consume.advance(c);
   }
   // the projections this block holds no rows of, at the end: their barriers still count
-  for (int p = x_of; p < c.num_proj - 1; ++p) grid_barrier(c.counter, (p + 1) * gridDim.x);
+  for (int p = x_of; p < c.num_proj - 1; ++p) between<R>(c, p, barriers, work);
 }
 
 template <int R>
 cudaError_t launch(const Chain& c, int max_k, int blocks, cudaStream_t stream) {
-  const int smem = kStages * kTileBytes + kWarps * R * 4 + R * max_k * 2;
+  const int smem = kStages * kTileBytes + kWarps * (R + kPartial) * 4 + R * max_k * 2;
   void (*kernel)(Chain) = persistent_chain_kernel<R>;
 #ifndef VRLT_EMULATE
   const cudaError_t err =
@@ -332,17 +448,19 @@ cudaError_t launch(const Chain& c, int max_k, int blocks, cudaStream_t stream) {
 
 extern "C" {
 
-// rows: 1, 2, 4 or 8; tables: the [P] arrays of Chain, in its order from w to norm_b; counter:
-// zero (the launch leaves it at blocks x (num_proj - 1)).
+// rows: 1, 2, 4 or 8; tables: the [P] arrays of Chain, in its order from w to attn; counter:
+// zero (the launch leaves it at blocks x its grid barriers: P - 1, and 2 more per ATTEND).
 int vrlt_persistent_chain(const void* const* tables, const int* n, const int* k, const int* mode,
-                          unsigned* counter, int num_proj, float eps, int max_k, int rows,
-                          int blocks, void* stream) {
+                          unsigned* counter, int num_proj, float eps, int heads, int ctx,
+                          int pieces, int max_k, int rows, int blocks, void* stream) {
   using B = __nv_bfloat16;
   const Chain c{static_cast<const B* const*>(tables[0]), static_cast<B* const*>(tables[1]),
                 n, k, mode,
                 static_cast<const B* const*>(tables[2]), static_cast<B* const*>(tables[3]),
                 static_cast<const B* const*>(tables[4]), static_cast<const B* const*>(tables[5]),
-                counter, num_proj, eps};
+                static_cast<const B* const*>(tables[6]), static_cast<const B* const*>(tables[7]),
+                static_cast<float* const*>(tables[8]), static_cast<B* const*>(tables[9]),
+                counter, num_proj, eps, heads, ctx, pieces};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (rows) {
     case 1: return launch<1>(c, max_k, blocks, s);
