@@ -246,7 +246,8 @@ __device__ void grid_barrier(unsigned* counter, unsigned target) {
 
 // Projection p's attention (ATTEND): the tasks (row, head, piece) shared over the blocks, each
 // storing its piece's partial in part[p] (log2 domain). 8 warps walk a piece, 2 positions per
-// warp and step, 16 lanes of 8 dims per position; `work`: kWarps x kPartial floats.
+// warp and step, 16 lanes of 8 dims per position, 4 positions of each lane's loads in flight;
+// `work`: kWarps x kPartial floats.
 template <int R>
 __device__ void attend(const Chain& c, int p, float* work) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / 16, li = lane % 16;
@@ -257,25 +258,43 @@ __device__ void attend(const Chain& c, int p, float* work) {
   for (int task = blockIdx.x; task < R * heads * pieces; task += gridDim.x) {
     const int r = task / (heads * pieces), h = task / pieces % heads, s = task % pieces;
     const int begin = s * per, end = min(ctx, begin + per);
-    float q[8], kf[8], vf[8], acc[8] = {}, m = kNegInf, l = 0.f;
+    float q[8], acc[8] = {}, m = kNegInf, l = 0.f;
     load8(y + r * stride + h * kHeadDim + li * 8, q, true);
     for (int i = 0; i < 8; ++i) q[i] *= scale;
     const int64_t head0 = r * ctx * pos_stride + h * kHeadDim + li * 8;
-    for (int base = begin + warp * 2; base < end; base += kWarps * 2) {  // warp-uniform
-      const int pos = base + sub;
-      const bool ok = pos < end;
-      float dot = 0.f;
-      if (ok) {
-        load8(c.k_cache[p] + head0 + pos * pos_stride, kf, false);
-        load8(c.v_cache[p] + head0 + pos * pos_stride, vf, false);
-        for (int i = 0; i < 8; ++i) dot += q[i] * kf[i];
+    constexpr int U = 4, STEP = kWarps * 2;  // positions of each lane in flight; of the block
+    for (int base = begin + warp * 2; base < end; base += STEP * U) {  // warp-uniform
+      float kf[U][8], vf[U][8], sc[U];
+      bool ok[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int pos = base + u * STEP + sub;
+        ok[u] = pos < end;
+        if (ok[u]) {
+          load8(c.k_cache[p] + head0 + pos * pos_stride, kf[u], false);
+          load8(c.v_cache[p] + head0 + pos * pos_stride, vf[u], false);
+        }
       }
-      for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (ok) {
-        const float mn = fmaxf(m, dot), cm = exp2f(m - mn), pr = exp2f(dot - mn);
-        l = l * cm + pr;
-        for (int i = 0; i < 8; ++i) acc[i] = acc[i] * cm + pr * vf[i];
-        m = mn;
+      float mn = m;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float dot = 0.f;
+        for (int i = 0; ok[u] && i < 8; ++i) dot += q[i] * kf[u][i];
+        for (int o = 8; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        sc[u] = ok[u] ? dot : kNegInf;
+        mn = fmaxf(mn, sc[u]);
+      }
+      if (mn == kNegInf) continue;  // no position of this lane in the step
+      const float cm = exp2f(m - mn);
+      l *= cm;
+      for (int i = 0; i < 8; ++i) acc[i] *= cm;
+      m = mn;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!ok[u]) continue;
+        const float pr = exp2f(sc[u] - m);
+        l += pr;
+        for (int i = 0; i < 8; ++i) acc[i] += pr * vf[u][i];
       }
     }
     {  // the warp's two positions per step
@@ -348,7 +367,7 @@ __device__ void between(const Chain& c, int p, int& barriers, float* work) {
 }
 
 template <int R>
-__global__ void __launch_bounds__(kThreads) persistent_chain_kernel(const Chain c) {
+__global__ void __launch_bounds__(kThreads, 1) persistent_chain_kernel(const Chain c) {
   VRLT_DYNAMIC_SMEM(smem);
   unsigned char* ring = smem;
   float* scratch = reinterpret_cast<float*>(smem + kStages * kTileBytes);  // kWarps x R
