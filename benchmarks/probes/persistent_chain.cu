@@ -1,6 +1,7 @@
-// Probe: a decode invocation's projections and norms (Ouro's layer without attention) in one
-// persistent kernel that keeps the weight stream going across its grid barriers
-// (docs/design/runner.md §4; benchmarks/probes/persistent_chain.py builds, checks and times it).
+// Probe: a decode invocation's projections, norms and attention (Ouro's layers but for RoPE, the
+// KV write and the exit gate) in one persistent kernel that keeps the weight stream going across
+// its grid barriers (docs/design/runner.md §4; benchmarks/probes/persistent_chain.py builds,
+// checks and times it).
 //
 // One block per SM, launched cooperatively, runs P projections y_p = x_p @ W_p^T (bf16, fp32
 // sums) of R rows one after another (every N and K a multiple of 8). Each projection's input is
