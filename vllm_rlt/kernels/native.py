@@ -4,16 +4,16 @@ Today one kernel: paged decode attention whose KV splits merge in a thread-block
 distributed shared memory (`csrc/decode_attention.cu`), in one launch where the Triton path
 takes an attention launch and a combine launch (`paged_attention.py`). It needs Hopper or later.
 
-`VLLM_RLT_NATIVE=1` in the environment turns the native kernels on (default `0`: Triton only).
-On a CUDA device of compute capability 9.0 or later with a CUDA toolkit (`nvcc` under the
-`CUDA_HOME` that `torch.utils.cpp_extension` finds), the first use compiles the sources for the
-device's architecture into a shared library cached under `$VLLM_RLT_CACHE_DIR` (default
-`~/.cache/vllm_rlt`), keyed by the sources, the architecture and the compiler, and loads it
-through ctypes (its entry points take raw pointers and the stream: no torch headers, a build of
-about 10 s). Anywhere else, or if the build fails, nothing is compiled and the Triton kernels
-run; `report` says which runs and why (the engine's start log line carries it). The C entry
-points return a `cudaError_t`; a launch they refuse turns them off for the process (logged, and
-`report` says why): the Triton kernels run instead.
+`VLLM_RLT_NATIVE=1` in the environment turns the native kernels on (default `0`: Triton only). On a
+CUDA device of compute capability 9.0 or later with a CUDA toolkit (`nvcc` under the `CUDA_HOME`
+that `torch.utils.cpp_extension` finds), the first use compiles the sources for the device's
+architecture into a shared library cached under `$VLLM_RLT_CACHE_DIR` (default
+`~/.cache/vllm_rlt`), keyed by the sources, the architecture and the compiler, and loads it through
+ctypes (its entry points take raw pointers and the stream: no torch headers, a build of about 20 s
+of one core). Anywhere else, or if the build fails, nothing is compiled and the Triton kernels run;
+`report` says which runs and why (the engine's start log line carries it). The C entry points
+return a `cudaError_t`; a launch they refuse turns them off for the process (logged, and `report`
+says why): the Triton kernels run instead.
 """
 
 from __future__ import annotations
