@@ -7,8 +7,9 @@ with that much KV (block size 16, fragmented block tables);
 with --chunk C, R / C sequences each run a prefill chunk of C rows ending at that position.
 For each layer path in --paths (`torch`: one op per arithmetic step, 3 + 2 projection GEMMs;
 `fused`: fused [q;k;v] and [gate;up] GEMMs and Triton kernels, `vllm_rlt.kernels.fused_ops`;
-`skinny`: `fused` with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`) it
-reports:
+`skinny`: `fused` with the projections of up to 16 rows on `vllm_rlt.kernels.skinny_gemm`;
+`native`: `skinny` with the native kernels on, as `VLLM_RLT_NATIVE=1` turns them on:
+`vllm_rlt.kernels.native`) it reports:
 
 - eager_ms: CUDA events around back-to-back calls after warm-up (host launch cost included);
 - graph_ms: the same invocation captured in a CUDA graph and replayed (GPU time alone);
@@ -45,12 +46,13 @@ from benchmarks.model_shapes import write_shape
 from vllm_rlt.attention import triton_backend
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
 from vllm_rlt.entrypoints.bench.metrics import device_time_by_name
+from vllm_rlt.kernels import native
 from vllm_rlt.kernels.kv_format import FP8, KVLayer
 from vllm_rlt.models import layer_kernels as strategies
 from vllm_rlt.models.loader import load_model
 
 BLOCK_SIZE = 16
-PATHS = ("torch", "fused", "skinny")
+PATHS = ("torch", "fused", "skinny", "native")
 
 
 class LayerKV:
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
         case = {"rows": rows, "context": args.context, "chunk": args.chunk}
         outputs = {}
         for path in args.paths:
-            model.layer_kernels = path
+            model.layer_kernels = "skinny" if path == "native" else path
+            native.MODE = "1" if path == "native" else "0"
             case[path] = measure(model, hidden, meta, kv, args.iters)
             outputs[path] = model.recurrent_core(hidden, meta, kv)
             print(
@@ -230,11 +233,13 @@ def main(argv: list[str] | None = None) -> dict:
         if {"torch", "fused"} <= outputs.keys():
             case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
         if args.ablate:
-            model.layer_kernels = "skinny"
+            model.layer_kernels, native.MODE = "skinny", "0"
             case["ablated_ms"] = ablated_ms(model, hidden, meta, kv, args.iters)
             print(f"rows {rows:4d}: skinny ablated (ms) {case['ablated_ms']}", flush=True)
         if {"fused", "skinny"} <= outputs.keys():
             case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
+        if {"skinny", "native"} <= outputs.keys():
+            case["native_vs_skinny"] = case["skinny"]["graph_ms"] / case["native"]["graph_ms"]
         results.append(case)
     report = {
         "env": {
