@@ -50,11 +50,18 @@ def test_off_on_the_cpu_and_by_default_and_nothing_is_built(monkeypatch):
     assert native.native(torch.device("cuda")).reason == "VLLM_RLT_NATIVE=1 builds them"
 
 
-def test_no_native_instance_for_cpu_tensors_or_other_shapes(monkeypatch):
-    """`decode_attention` declines (and builds nothing): CPU tensors, and shapes or dtypes with
-    no compiled instance, stay on the Triton path."""
-    monkeypatch.setattr(native, "MODE", "1")
-    monkeypatch.setattr(native, "_load", lambda *a: pytest.fail("nothing may be loaded here"))
+def test_launches_only_what_it_has_an_instance_for(monkeypatch):
+    """With a library at hand, `decode_attention` launches it for a shape it has an instance
+    for and declines (leaving the launch to Triton) other head sizes, GQA groups and dtypes."""
+    launched = []
+
+    class Library:
+        @staticmethod
+        def vrlt_decode_attention(*args):
+            launched.append(args)
+            return 0
+
+    monkeypatch.setattr(native, "native", lambda device: native.Native(Library, "sm_90"))
 
     def case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         q = torch.zeros(2, heads, head_dim, dtype=dtype)
@@ -62,13 +69,15 @@ def test_no_native_instance_for_cpu_tensors_or_other_shapes(monkeypatch):
         meta = build_attention_metadata([5, 9], [1, 1], [[0], [1]], 16, "cpu")
         return q, KVLayer(k, k.clone()), meta, torch.empty_like(q)
 
-    for heads, kv_heads, head_dim, dtype in [
-        (16, 16, 128, torch.bfloat16),  # an instance, but CPU tensors
-        (8, 8, 48, torch.bfloat16),  # head_dim 48
-        (16, 2, 128, torch.bfloat16),  # a GQA group of 8
-        (16, 16, 128, torch.float32),  # fp32
+    for heads, kv_heads, head_dim, dtype, takes in [
+        (16, 16, 128, torch.bfloat16, True),
+        (8, 8, 48, torch.bfloat16, False),  # head size 48
+        (16, 2, 128, torch.bfloat16, False),  # a GQA group of 8
+        (16, 16, 128, torch.float32, False),  # fp32
     ]:
-        assert not native.decode_attention(*case(heads, kv_heads, head_dim, dtype), num_sms=132)
+        got = native.decode_attention(*case(heads, kv_heads, head_dim, dtype), num_sms=132)
+        assert got is takes
+    assert len(launched) == 1
 
 
 def test_old_gpus_and_missing_toolkits_build_nothing(tmp_path, monkeypatch):

@@ -157,7 +157,11 @@ def decode_attention(
     q: torch.Tensor, cache: KVLayer, meta: AttentionMetadata, out: torch.Tensor, num_sms: int
 ) -> bool:
     """Paged attention of a decode-only launch into `out` by the native kernel; False (nothing
-    done) where it has no instance for the shapes, dtypes or alignment, or is not available."""
+    done) where it is not available (checked first: the off switch costs nothing), or has no
+    instance for the shapes, dtypes or alignment."""
+    found = native(q.device)
+    if found.library is None:
+        return False
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = cache.k.shape[2], meta.block_size
     group, num_tiles = num_heads // num_kv_heads, meta.tile_seg.shape[0]
@@ -173,8 +177,7 @@ def decode_attention(
         and all(t.data_ptr() % 16 == 0 for t in (q, out, cache.k, cache.v))
         and all(s % 8 == 0 for s in (*q.stride()[:2], *out.stride()[:2], *cache.k.stride()[1:3]))
     )
-    found = native(q.device) if fits else None
-    if found is None or found.library is None:
+    if not fits:
         return False
     pieces = decode_pieces(num_tiles * num_kv_heads, meta.max_context, num_sms)
     stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
