@@ -122,8 +122,11 @@ class Chain:
         self.mode = torch.tensor(modes, device=device, dtype=torch.int32)
         self.counter = torch.zeros(1, device=device, dtype=torch.int32)
 
-    def run(self, library: ctypes.CDLL, blocks: int, stream: int | None) -> None:
+    def run(self, library: ctypes.CDLL, blocks: int) -> None:
+        """One launch on the current stream (a capture's, inside a CUDA graph capture)."""
         self.counter.zero_()
+        cuda = self.h0.is_cuda
+        stream = torch.cuda.current_stream(self.h0.device).cuda_stream if cuda else None
         max_k = max(w.shape[1] for w in self.weights)
         err = library.vrlt_persistent_chain(
             self.rows_of_tables, self.n.data_ptr(), self.k.data_ptr(), self.mode.data_ptr(),
@@ -255,7 +258,6 @@ def main(argv: list[str] | None = None) -> None:
     plan = layer_plan(OURO_1_4B, OURO_1_4B["num_hidden_layers"])
     gbytes = sum(n * k * 2 for n, k, _ in plan) / 1e9
     blocks = torch.cuda.get_device_properties(device).multi_processor_count
-    stream = torch.cuda.current_stream(device).cuda_stream
     results = []
     for rows in args.rows:
         heads = OURO_1_4B["num_attention_heads"]
@@ -263,11 +265,11 @@ def main(argv: list[str] | None = None) -> None:
         gen = torch.Generator(device=device).manual_seed(rows)
         chain = random_chain(plan, rows, heads, args.context, pieces, device, gen)
         timed = {
-            "persistent": graph_us(lambda c=chain: c.run(library, blocks, stream)),
+            "persistent": graph_us(lambda c=chain: c.run(library, blocks)),
             "skinny": graph_us(lambda c=chain: separate(c, skinny=True)),
             "cublas": graph_us(lambda c=chain: separate(c, skinny=False)),
         }
-        chain.run(library, blocks, stream)
+        chain.run(library, blocks)
         torch.cuda.synchronize()
         line = {"rows": rows, "context": args.context, "pieces": pieces,
                 "max_rel_err": chain.max_rel_err(), "weight_GB": gbytes}  # fmt: skip

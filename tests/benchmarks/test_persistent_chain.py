@@ -33,7 +33,7 @@ def test_emulated_persistent_chain_equals_torch(tmp_path, rows, ctx, pieces):
     library = pc.declare(build_emulated(pc.SOURCE, tmp_path))
     gen = torch.Generator().manual_seed(rows)
     chain = pc.random_chain(PLAN, rows, 1, ctx, pieces, "cpu", gen)
-    chain.run(library, blocks=BLOCKS, stream=None)
+    chain.run(library, blocks=BLOCKS)
     assert chain.max_rel_err() < 1e-2  # bf16 stores of fp32 sums
     barriers = len(PLAN) - 1 + 2  # and the attention's two
     assert chain.counter.item() == BLOCKS * barriers  # every block at every barrier
@@ -53,6 +53,6 @@ def test_the_separate_launches_compute_the_same_chain(tmp_path, skinny):
     ends where the persistent kernel does, within the bf16 roundings of six steps."""
     library = pc.declare(build_emulated(pc.SOURCE, tmp_path))
     chain = pc.random_chain(PLAN, 2, 1, 48, 3, "cpu", torch.Generator().manual_seed(5))
-    chain.run(library, blocks=BLOCKS, stream=None)
+    chain.run(library, blocks=BLOCKS)
     got, ref = pc.separate(chain, skinny).float(), chain.ys[-1].float()
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1.5e-2  # 6e-3 measured
