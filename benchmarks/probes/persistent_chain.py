@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.model_shapes import OURO_1_4B
 from benchmarks.probes.attention_bench import _env
+from benchmarks.probes.layer_kernels import time_ms
 from benchmarks.provenance import commit, engine_digest
 from vllm_rlt.attention.metadata import build_attention_metadata
 from vllm_rlt.kernels import fused_ops, native
@@ -208,13 +209,7 @@ def graph_us(fn, reps: int = 20) -> tuple[float, bool]:
         torch.cuda.synchronize()
         run, captured = fn, False
     run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps, captured
+    return time_ms(run, reps) * 1e3, captured
 
 
 def random_chain(
