@@ -27,7 +27,10 @@ best of 5): `no_norms` (every norm and sandwich step returns its input), `no_att
 attention call returns q; the K/V write stays), `unsplit_attention` (one KV split, no combine)
 and `gemms_only` (no norms, no attention). The differences to `all` are what each piece adds to
 the invocation's GPU time with its neighbours overlapping it (early launch); the outputs of the
-ablated invocations mean nothing.
+ablated invocations mean nothing. --splits S ... replays it with attention at S KV splits
+(`splits_S`), as a mixed CUDA graph fixed to S splits would run it. --gemm-rows and --rope-rows
+set the skinny path's row limits (the few-row GEMM's, and its RoPE and KV-write epilogue's), to
+measure other limits than the engine's.
 
     python -m benchmarks.probes.layer_kernels --out layer-kernels.json
 """
@@ -147,20 +150,22 @@ def measure(model, hidden, meta, kv, iters: int) -> dict:
 ABLATIONS = ("all", "no_norms", "no_attention", "unsplit_attention", "gemms_only")
 
 
-def ablated_ms(model, hidden, meta, kv, iters: int) -> dict[str, float]:
-    """The skinny invocation's graph time with pieces taken out (module docstring)."""
+def ablated_ms(model, hidden, meta, kv, iters: int, names=ABLATIONS) -> dict[str, float]:
+    """The skinny invocation's graph time with pieces taken out (module docstring), or with
+    attention at a fixed number of KV splits S (`splits_S`; `unsplit_attention` is S = 1)."""
     skinny, attention = strategies.SkinnyLayerKernels, triton_backend.paged_attention
     norm, add_norm = skinny.norm, skinny.add_norm
     times = {}
-    for name in ABLATIONS:
+    for name in names:
         if name in ("no_norms", "gemms_only"):
             skinny.norm = lambda self, x, n: x
             skinny.add_norm = lambda self, h, y, a, b: (h, y)
         if name in ("no_attention", "gemms_only"):
             triton_backend.paged_attention = lambda q, *args, **kw: q
-        if name == "unsplit_attention":
-            triton_backend.paged_attention = lambda *a, **kw: attention(
-                *a, **{**kw, "num_splits": 1}
+        if name == "unsplit_attention" or name.startswith("splits_"):
+            count = 1 if name == "unsplit_attention" else int(name.removeprefix("splits_"))
+            triton_backend.paged_attention = lambda *a, _s=count, **kw: attention(
+                *a, **{**kw, "num_splits": _s}
             )
         try:
             times[name] = graph_ms(lambda: model.recurrent_core(hidden, meta, kv), iters)
@@ -192,8 +197,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--ablate", action="store_true", help="skinny without norms, attention")
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="also replay skinny with attention at these KV splits")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the JSON results here")
+    skinny = strategies.SkinnyLayerKernels
+    parser.add_argument("--gemm-rows", type=int, default=skinny.max_rows,
+                        help="most rows the skinny path gives the few-row GEMM")  # fmt: skip
+    parser.add_argument("--rope-rows", type=int, default=skinny.rope_max_rows,
+                        help="most rows whose RoPE and KV write the q/k/v GEMM does")  # fmt: skip
     args = parser.parse_args(argv)
+    skinny.max_rows, skinny.rope_max_rows = args.gemm_rows, args.rope_rows
 
     with tempfile.TemporaryDirectory() as tmp:
         loaded = load_model(
@@ -232,9 +245,12 @@ def main(argv: list[str] | None = None) -> dict:
                 case[path]["gate_rel_err_vs_torch"] = rel_err(g, g_torch)
         if {"torch", "fused"} <= outputs.keys():
             case["graph_speedup"] = case["torch"]["graph_ms"] / case["fused"]["graph_ms"]
-        if args.ablate:
+        if args.ablate or args.splits:
             model.layer_kernels, native.MODE = "skinny", "0"
-            case["ablated_ms"] = ablated_ms(model, hidden, meta, kv, args.iters)
+            names = (ABLATIONS if args.ablate else ("all",)) + tuple(
+                f"splits_{n}" for n in args.splits
+            )
+            case["ablated_ms"] = ablated_ms(model, hidden, meta, kv, args.iters, names)
             print(f"rows {rows:4d}: skinny ablated (ms) {case['ablated_ms']}", flush=True)
         if {"fused", "skinny"} <= outputs.keys():
             case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
@@ -249,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "model": "ouro-1.4b shape, dummy weights, bf16, triton attention",
         "kv_cache_dtype": args.kv_cache_dtype,
+        "gemm_rows": args.gemm_rows,
+        "rope_rows": args.rope_rows,
         "layer_weight_bytes": layer_bytes,
         "copy_GBps": bandwidth,
         "weight_floor_ms": layer_bytes / bandwidth / 1e6,

@@ -260,17 +260,29 @@ def test_a_grid_sized_for_longer_contexts_splits_each_tile_by_its_own(
 
 def test_few_decode_rows_split_finer_than_other_launches():
     """On 132 SMs with 16 KV heads: 1-33 decode rows (at most 4 programs per SM) get ~2
-    programs per SM in 128-position splits; 34 decode rows, and any launch with prefill tiles,
-    the general policy."""
+    programs per SM in 128-position splits; 34 decode rows the general policy, and any launch
+    with prefill tiles the chunk policy."""
     policies = [splits.split_policy(rows * 16, True, 132) for rows in (1, 8, 16, 32, 33, 34)]
     assert policies == [splits.DECODE_SPLITS] * 5 + [splits.SPLITS]
-    assert splits.split_policy(16, False, 132) == splits.SPLITS
+    assert splits.split_policy(16, False, 132) == splits.CHUNK_SPLITS
     assert splits.choose_num_splits(16 * 16, 65536, 132, splits.DECODE_SPLITS) == 2
     assert splits.choose_num_splits(32 * 16, 65536, 132, splits.DECODE_SPLITS) == 1
     assert splits.choose_num_splits(16, 65536, 132, splits.DECODE_SPLITS) == 17
     assert splits.choose_num_splits(128, 65536, 132, splits.DECODE_SPLITS) == 3
-    assert splits.choose_num_splits(256, 65536, 132, splits.SPLITS) == 5
-    assert splits.choose_num_splits(256, 512, 132, splits.SPLITS) == 2  # >= 256 positions each
+    assert splits.choose_num_splits(256, 65536, 132, splits.CHUNK_SPLITS) == 5
+    assert splits.choose_num_splits(256, 512, 132, splits.CHUNK_SPLITS) == 2  # >= 256 each
+
+
+def test_launches_with_prefill_tiles_that_fill_the_gpu_do_not_split():
+    """On 132 SMs: a launch with prefill tiles of fewer than 2 programs per SM before splitting
+    splits towards 8 per SM; from 2 per SM (a 2,048-row prefill invocation's 32 tiles x 16 KV
+    heads has 4) it runs unsplit, whatever its context, as mixed CUDA graphs do. Decode-only
+    launches of the general policy split up to 8 per SM."""
+    assert splits.choose_num_splits(263, 65536, 132, splits.CHUNK_SPLITS) == 5
+    assert splits.choose_num_splits(264, 65536, 132, splits.CHUNK_SPLITS) == 1
+    assert splits.launch_splits(32 * 16, 16, 2048, 132, False) == (splits.CHUNK_SPLITS, 1, 0)
+    assert splits.choose_num_splits(264, 65536, 132, splits.SPLITS) == 4
+    assert splits.choose_num_splits(1056, 65536, 132, splits.SPLITS) == 1
 
 
 def test_decode_launches_balance_pieces_over_the_rows():
@@ -282,7 +294,7 @@ def test_decode_launches_balance_pieces_over_the_rows():
     assert splits.decode_balance(32 * 16, 16, 65536, 132) == (5, 16)
     assert splits.decode_balance(8 * 16, 16, 1000, 132) == (7, 16)  # 1000 // 128
     assert splits.launch_splits(8 * 16, 16, 65536, 132, True) == (splits.DECODE_SPLITS, 16, 16)
-    assert splits.launch_splits(8 * 16, 16, 65536, 132, False) == (splits.SPLITS, 9, 0)
+    assert splits.launch_splits(8 * 16, 16, 65536, 132, False) == (splits.CHUNK_SPLITS, 9, 0)
     assert splits.launch_splits(34 * 16, 16, 65536, 132, True) == (splits.SPLITS, 2, 0)
 
 

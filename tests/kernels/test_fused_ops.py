@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.kv_targets import assert_written_alike, nan_caches
 from vllm_rlt.kernels import fused_ops
 from vllm_rlt.models.layers import RMSNorm, RotaryEmbedding
 
@@ -84,6 +85,33 @@ def test_rope_qk_matches_torch_exactly(device, dtype, num_heads, num_kv_heads, h
     assert torch.equal(v, v_ref.reshape(heads))
     assert q.data_ptr() == qkv.data_ptr()  # rotated in place, returned as views
     assert not torch.equal(q, q_ref.reshape(heads))  # positions > 0 really rotate
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-kv", "fp8-kv"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(4, 2, 8), (3, 3, 12), (16, 4, 128)],  # head blocks straddling q | k | v in the last
+)
+def test_rope_qk_also_does_the_kv_write(device, dtype, fp8, num_heads, num_kv_heads, head_dim):
+    """With caches and slots, RoPE stores the rotated k and the v heads where `write_kv_cache`
+    puts them (FP8 caches: the same bits at their own K and V scales), touches no other cache
+    slot, and rotates q and k as without them."""
+    rows = 5
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6).to(device)
+    rope = rotary.tables(torch.tensor([0, 1, 17, 511, 4095], device=device), dtype)
+    heads = (num_heads, num_kv_heads, head_dim)
+    qkv = randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device,
+                seed=9, scale=2.0)  # fmt: skip
+    expected_kv, kv, slots = nan_caches(num_kv_heads, head_dim, dtype, device, fp8)
+    expected = qkv.clone()
+    _, k, v = fused_ops.rope_qk_(expected, *rope, *heads)
+    fused_ops.rope_qk_(qkv, *rope, *heads, kv=(kv, slots))
+    assert torch.equal(qkv, expected)
+    assert_written_alike(expected_kv, kv, k, v, slots)
+    with pytest.raises(ValueError, match="one slot per row"):
+        fused_ops.rope_qk_(qkv, *rope, *heads, kv=(kv, slots[:3]))
 
 
 @pytest.mark.parametrize("device", DEVICES)

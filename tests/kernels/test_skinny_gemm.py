@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.kv_targets import assert_written_alike, nan_caches
 from vllm_rlt.kernels import fused_ops, skinny_gemm
-from vllm_rlt.kernels.kv_format import FP8, KVLayer
-from vllm_rlt.kernels.kv_write import write_kv_cache
 from vllm_rlt.kernels.skinny_gemm import SkinnyConfig
 from vllm_rlt.models.layers import RotaryEmbedding
 
@@ -126,29 +125,20 @@ def test_the_rope_epilogue_also_does_the_kv_write(device, dtype, config, fp8):
     """With caches and slots, the q/k/v GEMM stores the rotated k and the v heads where
     `write_kv_cache` puts them (FP8 caches: the same bits at their own K and V scales), and
     touches no other cache slot."""
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 32, 4
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
     n = (num_heads + 2 * num_kv_heads) * head_dim
     x, w = operands(5, n, 96, dtype, device, seed=6)
     positions = torch.tensor([3, 9, 40, 0, 77], device=device)
     rope = RotaryEmbedding(head_dim, 128, 10000.0).to(device).tables(positions, dtype)
     heads = (num_heads, num_kv_heads, head_dim)
-    shape = (8, block_size, num_kv_heads, head_dim)
-    caches = [torch.full(shape, float("nan"), device=device, dtype=dtype) for _ in range(4)]
-    scales = (0.25, 3.0) if fp8 else (1.0, 1.0)
-    if fp8:
-        caches = [c.to(FP8) for c in caches]
-    slots = torch.tensor([13, 2, 30, 7, 21], device=device)
+    expected_kv, kv, slots = nan_caches(num_kv_heads, head_dim, dtype, device, fp8)
     expected = skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config)
     _, k, v = fused_ops.split_qkv(expected, *heads)
-    write_kv_cache(k.contiguous(), v.contiguous(), KVLayer(*caches[:2], *scales), slots)
-    kv = (KVLayer(*caches[2:], *scales), slots)
-    got = skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config, kv=kv)
+    got = skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config, kv=(kv, slots))
     assert torch.equal(got, expected)
-    for want, cache in zip(caches[:2], caches[2:], strict=True):
-        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
-    assert caches[2].view(-1, num_kv_heads, head_dim)[slots].float().isfinite().all()
+    assert_written_alike(expected_kv, kv, k, v, slots)
     with pytest.raises(ValueError, match="one slot per row"):
-        skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config, kv=(kv[0], slots[:3]))
+        skinny_gemm.skinny_qkv_rope(x, w, *rope, *heads, config, kv=(kv, slots[:3]))
 
 
 def test_rope_epilogue_needs_whole_blocks_per_half_head():

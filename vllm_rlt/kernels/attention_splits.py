@@ -18,27 +18,34 @@ from dataclasses import dataclass
 import triton
 
 
-# Automatic KV splits: split until the grid holds about `programs_per_sm` programs per SM, each
-# split at least `min_len` positions long. Decode-only launches of at most FINE_MAX_FILL programs
-# per SM before splitting (up to 32 rows of Ouro-1.4B's 16 heads on an H200) split finer: at
-# 512-1024 positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per
-# SM, and 16-32 rows 5-15% faster with it and their own launch configs (2 splits at 16 rows, none
-# at 32: `paged_attention.decode_config_for`; docs/design/runner.md §4).
+# Automatic KV splits: a launch holding fewer than `split_below` programs per SM before
+# splitting splits until the grid holds about `programs_per_sm` programs per SM, each split at
+# least `min_len` positions long. Decode-only launches of at most FINE_MAX_FILL programs per SM
+# before splitting (up to 32 rows of Ouro-1.4B's 16 heads on an H200) split finer: at 512-1024
+# positions 1-8 rows run up to 19% faster in 128-position splits up to ~2 programs per SM, and
+# 16-32 rows 5-15% faster with it and their own launch configs (2 splits at 16 rows, none at 32:
+# `paged_attention.decode_config_for`; docs/design/runner.md §4). Launches with prefill tiles
+# that hold 2 programs per SM already do not split, as mixed CUDA graphs never do: eagerly, a
+# 2,048-row prefill invocation ran 8-13% faster unsplit (H100, docs/design/runner.md §4).
 @dataclass(frozen=True)
 class SplitPolicy:
     programs_per_sm: int
     min_len: int
+    split_below: int
 
 
-SPLITS = SplitPolicy(programs_per_sm=8, min_len=256)
-DECODE_SPLITS = SplitPolicy(programs_per_sm=2, min_len=128)
+SPLITS = SplitPolicy(programs_per_sm=8, min_len=256, split_below=8)
+CHUNK_SPLITS = SplitPolicy(programs_per_sm=8, min_len=256, split_below=2)
+DECODE_SPLITS = SplitPolicy(programs_per_sm=2, min_len=128, split_below=2)
 MAX_SPLITS = 64
 FINE_MAX_FILL = 4  # programs per SM before splitting up to which decode-only launches split finer
 
 
 def split_policy(num_programs: int, decode_only: bool, num_sms: int) -> SplitPolicy:
     """The split policy of a launch of `num_programs` (tiles x KV heads) before splitting."""
-    return DECODE_SPLITS if decode_only and num_programs <= FINE_MAX_FILL * num_sms else SPLITS
+    if not decode_only:
+        return CHUNK_SPLITS
+    return DECODE_SPLITS if num_programs <= FINE_MAX_FILL * num_sms else SPLITS
 
 
 # Balanced decode launches: about BALANCE_PROGRAMS_PER_SM programs per SM over all rows' pieces,
@@ -66,9 +73,10 @@ def choose_num_splits(
     num_programs: int, max_context: int, num_sms: int, policy: SplitPolicy = SPLITS
 ) -> int:
     """KV splits per tile in the grid so that it holds about policy.programs_per_sm programs per
-    SM, each split covering >= policy.min_len at `max_context`."""
+    SM, each split covering >= policy.min_len at `max_context`; none for a grid of at least
+    policy.split_below programs per SM (at most policy.programs_per_sm)."""
     target = num_sms * policy.programs_per_sm
-    if num_programs >= target:
+    if num_programs >= num_sms * policy.split_below:
         return 1
     by_fill = triton.cdiv(target, num_programs)
     by_len = max(1, max_context // policy.min_len)

@@ -4,7 +4,7 @@
 - `add_rms_norm`: the sandwich-norm residual step `out = h + norm_a(y)` together with the norm that
   follows it, `norm_b(out)` (the next block's input norm); both results are written.
 - `rope_qk_`: RoPE on the q and k parts of a fused QKV projection output, in place, returning
-  q, k, v as views of it.
+  q, k, v as views of it, and optionally the KV write of its k and v heads.
 - `silu_mul`: SwiGLU's `silu(gate) * up` from a fused gate/up projection output.
 - `gate_logits`: the early-exit gate's logit x . w + b of every row, in fp32 (fp64 for fp64).
 
@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
+from vllm_rlt.kernels.kv_format import KVLayer
+from vllm_rlt.kernels.kv_write import check_target, stored
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
 from vllm_rlt.tensor_utils import acc_dtype
 
@@ -182,38 +184,68 @@ def _rope_kernel(
     qkv_ptr,
     cos_ptr,
     sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
     stride_row,
     stride_cos,
     stride_sin,
+    num_rotated,
     num_heads,
+    first_kv,
+    num_kv_heads,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     ACC: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    FP8_CACHE: tl.constexpr,
+    GDC: tl.constexpr,
 ):
-    """Program (row, head block): rotates BLOCK_H heads of one row in place.
+    """Program (row, head block): rotates the row's heads below `num_rotated` (q and k) among
+    BLOCK_H of its `num_heads` in place; WRITE_KV also stores its k and v heads (from
+    `first_kv`, rotated k, then v) at the row's slot of the caches.
 
     out = x * cos + roll(x, d/2) * signed_sin, i.e. per half: lo' = lo*cos_lo + hi*sin_lo and
     hi' = hi*cos_hi + lo*sin_hi. Each element is loaded and stored by the same thread (the two
     halves are separate tiles of one layout), so rotating in place is race-free.
     """
+    release_dependents(GDC)  # attention may start (and wait)
     half: tl.constexpr = HEAD_DIM // 2
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_HALF)
     col_mask = cols < half
     mask = (heads < num_heads)[:, None] & col_mask[None, :]
+    rotate = (heads < num_rotated)[:, None]
     cos_row, sin_row = cos_ptr + row * stride_cos, sin_ptr + row * stride_sin
     cos_lo = tl.load(cos_row + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     cos_hi = tl.load(cos_row + half + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     sin_lo = tl.load(sin_row + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
     sin_hi = tl.load(sin_row + half + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
+    wait_for_primary(GDC)  # qkv comes from the projection before this kernel
     lo_ptrs = qkv_ptr + row * stride_row + heads[:, None] * HEAD_DIM + cols[None, :]
     lo = tl.load(lo_ptrs, mask=mask, other=0.0)
     hi = tl.load(lo_ptrs + half, mask=mask, other=0.0)
     new_lo, new_hi = rotate_halves(lo, hi, cos_lo, sin_lo, cos_hi, sin_hi, ACC)
-    tl.store(lo_ptrs, new_lo, mask=mask)
-    tl.store(lo_ptrs + half, new_hi, mask=mask)
+    new_lo, new_hi = tl.where(rotate, new_lo, lo), tl.where(rotate, new_hi, hi)
+    tl.store(lo_ptrs, new_lo, mask=mask & rotate)
+    tl.store(lo_ptrs + half, new_hi, mask=mask & rotate)
+    if WRITE_KV:  # the KV write's stores (`kv_write.write_kv_cache`), of the same values
+        kv = heads - first_kv  # k heads, then v heads
+        is_v = (kv >= num_kv_heads)[:, None]
+        head = tl.where(kv >= num_kv_heads, kv - num_kv_heads, kv)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        dst = slot * (num_kv_heads * HEAD_DIM) + head[:, None] * HEAD_DIM + cols[None, :]
+        k_mask = mask & (kv >= 0)[:, None] & ~is_v
+        v_mask = mask & is_v
+        k_dst, v_dst = k_cache_ptr + dst, v_cache_ptr + dst
+        tl.store(k_dst, stored(new_lo, k_scale, k_cache_ptr, FP8_CACHE), mask=k_mask)
+        tl.store(k_dst + half, stored(new_hi, k_scale, k_cache_ptr, FP8_CACHE), mask=k_mask)
+        tl.store(v_dst, stored(new_lo, v_scale, v_cache_ptr, FP8_CACHE), mask=v_mask)
+        tl.store(v_dst + half, stored(new_hi, v_scale, v_cache_ptr, FP8_CACHE), mask=v_mask)
 
 
 def rope_qk_(
@@ -223,12 +255,15 @@ def rope_qk_(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    kv: tuple[KVLayer, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate the q and k parts of a fused projection output in place; return q, k, v views.
 
     qkv: [R, (num_heads + 2 * num_kv_heads) * head_dim], each row laid out q | k | v with heads
     of `head_dim` contiguous; cos, signed_sin: [R, 1, head_dim] or [R, head_dim] in qkv's dtype
     (`RotaryEmbedding.tables`). Returns q [R, Hq, d], k [R, Hkv, d], v [R, Hkv, d], all views.
+    kv: (a layer's caches, slot_mapping [R]): also does `kv_write.write_kv_cache` of the rotated
+    k and the v heads, in the same launch.
     """
     _check_rows(qkv)
     rows, rotated = qkv.shape[0], num_heads + num_kv_heads
@@ -238,13 +273,20 @@ def rope_qk_(
         raise ValueError("the RoPE tables must be in qkv's dtype")
     if cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
         raise ValueError("the RoPE tables must be contiguous along head_dim")
+    if kv is not None:
+        check_target(*kv, rows, num_kv_heads, head_dim, qkv.dtype)
+    cache, slots = kv if kv else (KVLayer(qkv, qkv), qkv)
+    heads = rotated + (num_kv_heads if kv else 0)
     block_half = triton.next_power_of_2(head_dim // 2)
-    block_h = min(triton.next_power_of_2(rotated), max(1, 1024 // block_half))
+    block_h = min(triton.next_power_of_2(heads), max(1, 1024 // block_half))
+    gdc = pdl(qkv.device)
     if rows:
-        _rope_kernel[(rows, triton.cdiv(rotated, block_h))](
-            qkv, cos, signed_sin, qkv.stride(0), cos.stride(0), signed_sin.stride(0), rotated,
-            HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_HALF=block_half, ACC=_acc(qkv.dtype),
-            num_warps=4, **NO_FMA,
+        _rope_kernel[(rows, triton.cdiv(heads, block_h))](
+            qkv, cos, signed_sin, cache.k, cache.v, slots, qkv.stride(0), cos.stride(0),
+            signed_sin.stride(0), rotated, heads, num_heads, num_kv_heads, cache.k_scale,
+            cache.v_scale, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_HALF=block_half,
+            ACC=_acc(qkv.dtype), WRITE_KV=kv is not None, FP8_CACHE=cache.fp8, GDC=gdc,
+            num_warps=4, **NO_FMA, **launch_options(gdc),
         )  # fmt: skip
     return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 

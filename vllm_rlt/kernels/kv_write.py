@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
-from vllm_rlt.kernels.kv_format import FP8_MAX, KVLayer
+from vllm_rlt.kernels.kv_format import FP8, FP8_MAX, KVLayer
 
 # globals a kernel reads must be constexprs
 _INTERPRET = tl.constexpr(INTERPRET)
@@ -73,6 +73,20 @@ def _write_kv_kernel(
     dst = slot * ROW_ELEMS + offs
     tl.store(k_cache_ptr + dst, stored(k, k_scale, k_cache_ptr, FP8_CACHE), mask=mask)
     tl.store(v_cache_ptr + dst, stored(v, v_scale, v_cache_ptr, FP8_CACHE), mask=mask)
+
+
+def check_target(
+    cache: KVLayer, slots: torch.Tensor, rows: int, num_kv_heads: int, head_dim: int, dtype
+) -> None:
+    """Raise unless `cache` and `slots` can take `rows` rows of k and v heads in `dtype`, as a
+    projection kernel that writes them itself stores them."""
+    shape = (num_kv_heads, head_dim)
+    for c in cache[:2]:
+        if not (c.dtype in (dtype, FP8) and tuple(c.shape[2:]) == shape and c.is_contiguous()):
+            raise ValueError(f"KV caches must be contiguous [blocks, block_size, {shape}] in "
+                             f"{dtype} or FP8, got {tuple(c.shape)} {c.dtype}")  # fmt: skip
+    if slots.shape != (rows,):
+        raise ValueError(f"slot_mapping must hold one slot per row, got {tuple(slots.shape)}")
 
 
 def write_kv_cache(

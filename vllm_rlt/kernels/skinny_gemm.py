@@ -20,9 +20,9 @@ interleaved in its tile, and finishes each pair with the roundings of the separa
 
 On Hopper GPUs the kernel is launched early (programmatic dependent launch, `pdl.py`): while the
 kernel that produces x finishes, each program pulls its first PREFETCH_K weight columns into the
-L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`; 17-32 rows take it
-only in the probes until it is measured against cuBLAS there); how to measure it:
-`docs/design/runner.md §4`.
+L2. The CUDA default for up to 16 rows (`layer_kernels.SkinnyLayerKernels`; at 24 and 32 rows
+an invocation ran faster on cuBLAS, so 17-32 rows take it only in the probes); how to measure
+it: `docs/design/runner.md §4`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET, sm_count
 from vllm_rlt.kernels.fused_ops import NO_FMA, _round, rotate_halves, silu_times
-from vllm_rlt.kernels.kv_format import FP8, KVLayer
-from vllm_rlt.kernels.kv_write import stored
+from vllm_rlt.kernels.kv_format import KVLayer
+from vllm_rlt.kernels.kv_write import check_target, stored
 from vllm_rlt.kernels.pdl import (
     launch_options,
     pdl,
@@ -357,15 +357,7 @@ def skinny_qkv_rope(
     if cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
         raise ValueError("the RoPE tables must be contiguous along head_dim")
     if kv is not None:
-        cache, slots = kv
-        shape = (num_kv_heads, head_dim)
-        for c in cache[:2]:
-            fits = c.dtype in (x.dtype, FP8) and tuple(c.shape[2:]) == shape
-            if not (fits and c.is_contiguous()):
-                raise ValueError(f"KV caches must be contiguous [blocks, block_size, {shape}] in "
-                                 f"{x.dtype} or FP8, got {tuple(c.shape)} {c.dtype}")  # fmt: skip
-        if slots.shape != (x.shape[0],):
-            raise ValueError(f"slot_mapping must hold one slot per row, got {tuple(slots.shape)}")
+        check_target(*kv, x.shape[0], num_kv_heads, head_dim, x.dtype)
     out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
     rope = (cos, signed_sin, (num_heads + num_kv_heads) * head_dim, head_dim)
     # first blocks: the low halves of the heads

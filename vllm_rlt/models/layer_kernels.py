@@ -23,11 +23,12 @@ Huginn, whose layers differ, `norm`, `linear`, `logits`, `bias_rope` and `gated_
 `torch` runs each arithmetic step as its own torch op on the modules' HF-named weights (three
 q/k/v GEMMs, two gate/up GEMMs): the reference numerics, the CPU default. `fused` does one GEMM
 on the fused [q; k; v] and [gate; up] weights (views of the same memory, see
-`layers.FusesLinears`) and one Triton launch per norm pair, per RoPE, per SwiGLU activation and
-per exit gate (`vllm_rlt.kernels.fused_ops`). `skinny`, the CUDA default, is `fused` with the
-projections of invocations of up to 16 rows (decode) on `vllm_rlt.kernels.skinny_gemm` instead
-of cuBLAS, the SwiGLU activation done by the gate/up GEMM itself, and RoPE and the KV write by
-the q/k/v GEMM for up to 8 rows (docs/design/runner.md §4). `invariant` is `fused` with every
+`layers.FusesLinears`) and one Triton launch per norm pair, per RoPE (with the KV write of k
+and v), per SwiGLU activation and per exit gate (`vllm_rlt.kernels.fused_ops`). `skinny`, the
+CUDA default, is `fused` with the projections of invocations of up to 16 rows (decode) on
+`vllm_rlt.kernels.skinny_gemm` instead of cuBLAS, the SwiGLU activation done by the gate/up GEMM
+itself, and RoPE and the KV write by the q/k/v GEMM for up to 8 rows (docs/design/runner.md
+§4). `invariant` is `fused` with every
 projection and the LM head on `vllm_rlt.kernels.invariant_gemm`, whose rows do not depend on
 each other or on their number; with the fused ops, which work per row, a row's whole layer does
 not (the engine's batch_invariant, docs/design/runner.md §6).
@@ -176,7 +177,7 @@ class FusedLayerKernels:
         qkv = self.linear(x, attn.qkv_weight)
         cos, signed_sin = rope
         heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        return *self.ops.rope_qk_(qkv, cos, signed_sin, *heads), False
+        return *self.ops.rope_qk_(qkv, cos, signed_sin, *heads, kv=kv), True
 
     def swiglu(self, mlp, x):
         return self.gated_mlp(x, mlp.gate_up_weight, mlp.down_proj.weight)
@@ -202,8 +203,8 @@ class SkinnyLayerKernels(FusedLayerKernels):
     # RoPE in the q/k/v GEMM is 1.3 us faster than a separate launch at 1 row, even at 8 and
     # 3.5 us slower at 16 (docs/design/runner.md §4)
     rope_max_rows = 8
-    # the few-row GEMM takes up to 32 rows; measured against cuBLAS up to 16
-    # (docs/design/runner.md §4)
+    # the few-row GEMM takes up to 32 rows, but an invocation of 24 or 32 rows ran faster on
+    # cuBLAS (docs/design/runner.md §4)
     max_rows = 16
 
     def __init__(self) -> None:
