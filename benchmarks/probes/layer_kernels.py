@@ -28,7 +28,10 @@ attention call returns q; the K/V write stays), `unsplit_attention` (one KV spli
 and `gemms_only` (no norms, no attention). The differences to `all` are what each piece adds to
 the invocation's GPU time with its neighbours overlapping it (early launch); the outputs of the
 ablated invocations mean nothing. --splits S ... replays it with attention at S KV splits
-(`splits_S`), as a mixed CUDA graph fixed to S splits would run it. --gemm-rows and --rope-rows
+(`splits_S`), as a mixed CUDA graph fixed to S splits would run it. --timeline profiles one
+replay of the skinny invocation's CUDA graph and reports, per pair of consecutive kernel names,
+the second one's mean duration and the mean gap after the first ends (negative where early
+launch overlaps them): which kernel boundaries cost what. --gemm-rows and --rope-rows
 set the skinny path's row limits (the few-row GEMM's, and its RoPE and KV-write epilogue's), to
 measure other limits than the engine's.
 
@@ -38,6 +41,7 @@ measure other limits than the engine's.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -48,7 +52,7 @@ import triton
 from benchmarks.model_shapes import write_shape
 from vllm_rlt.attention import triton_backend
 from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
-from vllm_rlt.entrypoints.bench.metrics import device_time_by_name
+from vllm_rlt.entrypoints.bench.metrics import device_events, device_time_by_name
 from vllm_rlt.kernels import native
 from vllm_rlt.kernels.kv_format import FP8, KVLayer
 from vllm_rlt.models import layer_kernels as strategies
@@ -98,8 +102,8 @@ def time_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def profile_kernels(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
-    """(device events, their summed GPU ms, (name, GPU us, count) per name) of one call of fn."""
+def trace_events(fn) -> list[dict]:
+    """The Chrome-trace events of one call of fn under torch.profiler (CPU and CUDA)."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -107,19 +111,52 @@ def profile_kernels(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
             fn()
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
-    by_name = device_time_by_name(events)
+        return json.loads(trace.read_text())["traceEvents"]
+
+
+def profile_kernels(fn) -> tuple[int, float, list[tuple[str, float, int]]]:
+    """(device events, their summed GPU ms, (name, GPU us, count) per name) of one call of fn."""
+    by_name = device_time_by_name(trace_events(fn))
     return sum(n for *_, n in by_name), sum(us for _, us, _ in by_name) / 1e3, by_name
 
 
-def graph_ms(core, iters: int, repeats: int = 5) -> float:
-    """Best of `repeats` timings of `core` captured in a CUDA graph."""
+def boundaries(events: list[dict]) -> dict:
+    """Where a sequence of GPU activities spends its time: the span from the first start to
+    the last end, the activities' summed durations, and per (activity before, activity) pair of
+    names (cut to 24 characters) its count, mean duration of the second and mean gap from the
+    end of the first to the start of the second (negative: early launch overlaps them)."""
+    events = sorted(device_events(events), key=lambda e: e["ts"])
+    if not events:
+        return {"span_us": 0.0, "busy_us": 0.0, "pairs": {}}
+    pairs: dict[str, list[float]] = {}
+    for before, e in zip(events, events[1:], strict=False):
+        key = f"{before['name'][:24]} -> {e['name'][:24]}"
+        count, dur, gap = pairs.get(key, [0, 0.0, 0.0])
+        pairs[key] = [count + 1, dur + e["dur"], gap + e["ts"] - before["ts"] - before["dur"]]
+    return {
+        "span_us": max(e["ts"] + e["dur"] for e in events) - events[0]["ts"],
+        "busy_us": sum(e["dur"] for e in events),
+        "pairs": {
+            k: {"count": n, "mean_dur_us": round(d / n, 2), "mean_gap_us": round(g / n, 2)}
+            for k, (n, d, g) in pairs.items()
+        },  # fmt: skip
+    }
+
+
+def captured(core) -> torch.cuda.CUDAGraph:
+    """`core` warmed up and captured in a CUDA graph."""
     for _ in range(3):
         core()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         core()
+    return graph
+
+
+def graph_ms(core, iters: int, repeats: int = 5) -> float:
+    """Best of `repeats` timings of `core` captured in a CUDA graph."""
+    graph = captured(core)
     return min(time_ms(graph.replay, iters) for _ in range(repeats))
 
 
@@ -197,6 +234,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     parser.add_argument("--ablate", action="store_true", help="skinny without norms, attention")
+    parser.add_argument("--timeline", action="store_true",
+                        help="profile a skinny graph replay: gaps between its kernels")  # fmt: skip
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="also replay skinny with attention at these KV splits")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the JSON results here")
@@ -252,6 +291,14 @@ def main(argv: list[str] | None = None) -> dict:
             )
             case["ablated_ms"] = ablated_ms(model, hidden, meta, kv, args.iters, names)
             print(f"rows {rows:4d}: skinny ablated (ms) {case['ablated_ms']}", flush=True)
+        if args.timeline:
+            model.layer_kernels, native.MODE = "skinny", "0"
+            graph = captured(functools.partial(model.recurrent_core, hidden, meta, kv))
+            t = case["timeline"] = boundaries(trace_events(graph.replay))
+            print(f"rows {rows:4d}: skinny replay span {t['span_us']:.0f} us, kernels "
+                  f"{t['busy_us']:.0f} us", flush=True)  # fmt: skip
+            for pair, v in t["pairs"].items():
+                print(f"    {pair}: {v}", flush=True)
         if {"fused", "skinny"} <= outputs.keys():
             case["skinny_vs_fused"] = case["fused"]["graph_ms"] / case["skinny"]["graph_ms"]
         if {"skinny", "native"} <= outputs.keys():
