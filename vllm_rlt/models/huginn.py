@@ -84,8 +84,11 @@ class HuginnAttention(nn.Module):
     ) -> torch.Tensor:
         """x: [R, E] normed block input; rope: [R, 1, d/2, 2] this invocation's table rows."""
         qkv = kernels.linear(x, self.Wqkv.weight)
-        q, k, v = kernels.bias_rope(qkv, self.qk_bias, rope, self.num_heads, self.head_dim)
-        out = self.backend.forward(q, k, v.contiguous(), cache, meta)
+        heads = (self.num_heads, self.head_dim)
+        q, k, v, written = kernels.bias_rope(qkv, self.qk_bias, rope, *heads,
+                                             (cache, meta.slot_mapping))  # fmt: skip
+        v = v if written else v.contiguous()  # the KV write takes rows contiguous over heads
+        out = self.backend.forward(q, k, v, cache, meta, kv_stored=written)
         return kernels.linear(out.reshape(x.shape[0], -1), self.proj.weight)
 
 

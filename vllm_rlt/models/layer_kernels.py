@@ -15,8 +15,8 @@ Huginn, whose layers differ, `norm`, `linear`, `logits`, `bias_rope` and `gated_
   an fp64 model);
 - `logits(x, weight)`: the LM head;
 - `linear(x, weight)`: a projection without bias;
-- `bias_rope(qkv, qk_bias, table, heads, d)`: Huginn's q and k plus their bias, rotated by
-  adjacent pairs;
+- `bias_rope(qkv, qk_bias, table, heads, d, kv)`: Huginn's q and k plus their bias, rotated by
+  adjacent pairs, and whether it also wrote k and v into the KV cache `kv`;
 - `gated_mlp(x, gate_up_weight, down_weight)`: a SwiGLU MLP from its fused [gate; up] weight
   (Huginn's; the fused strategies' `swiglu` is this on Ouro's fused weight).
 
@@ -99,9 +99,11 @@ class LayerKernels(Protocol):
         table: torch.Tensor,
         num_heads: int,
         head_dim: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv: KVTarget,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
         """qkv [R, 3 H d] (q | k | v) -> q, k, v [R, H, d]: q and k plus qk_bias [2, 1, H, d],
-        rotated by adjacent pairs (2i, 2i + 1) with the table [R, 1, d/2, 2] fp32."""
+        rotated by adjacent pairs (2i, 2i + 1) with the table [R, 1, d/2, 2] fp32; and whether
+        k and v are already stored in kv's caches at its slots."""
         ...
 
     def gated_mlp(
@@ -144,10 +146,10 @@ class TorchLayerKernels:
 
     logits = linear
 
-    def bias_rope(self, qkv, qk_bias, table, num_heads, head_dim):
+    def bias_rope(self, qkv, qk_bias, table, num_heads, head_dim, kv):
         q, k, v = qkv.view(qkv.shape[0], 3, num_heads, head_dim).unbind(1)
         q, k = (rotate_interleaved(t + b, table) for t, b in ((q, qk_bias[0]), (k, qk_bias[1])))
-        return q, k, v
+        return q, k, v, False
 
     def gated_mlp(self, x, gate_up_weight, down_weight):
         gate, up = self.linear(x, gate_up_weight).chunk(2, dim=-1)
@@ -185,8 +187,8 @@ class FusedLayerKernels:
     def gated_mlp(self, x, gate_up_weight, down_weight):
         return self.linear(self.ops.silu_mul(self.linear(x, gate_up_weight)), down_weight)
 
-    def bias_rope(self, qkv, qk_bias, table, num_heads, head_dim):
-        return self.rope.bias_rope_(qkv, qk_bias, table, num_heads, head_dim)
+    def bias_rope(self, qkv, qk_bias, table, num_heads, head_dim, kv):
+        return *self.rope.bias_rope_(qkv, qk_bias, table, num_heads, head_dim, kv=kv), True
 
     def out_proj(self, attn, x):
         return self.linear(x, attn.o_proj.weight)
