@@ -49,9 +49,8 @@ def compile_sm90(fn: JITFunction, args: tuple, kwargs: dict) -> str:
 def scenario() -> None:
     """One call of each kernel wrapper, in the shapes and modes whose kernels differ."""
     from vllm_rlt.attention.metadata import TILE_ROWS, build_attention_metadata
-    from vllm_rlt.kernels import fused_ops, interleaved_rope, invariant_gemm, kv_write
+    from vllm_rlt.kernels import fused_ops, interleaved_rope, invariant_gemm, kv_write, skinny_gemm
     from vllm_rlt.kernels import paged_attention as pa
-    from vllm_rlt.kernels import skinny_gemm
     from vllm_rlt.kernels.kv_format import FP8, KVLayer
     from vllm_rlt.models.layers import RotaryEmbedding
 
