@@ -92,6 +92,27 @@ def scenario() -> None:
     pa.paged_attention(randn(rows, 4, d), paged[FP8], decode, num_splits=2)
     pa.paged_attention(randn(65, 4, d), paged[bf], mixed)
     pa.paged_attention(randn(65, 4, d), paged[bf], mixed, invariant=True)
+    run_bookkeeping()
+
+
+def run_bookkeeping() -> None:
+    """Device runs' kernels (`run_rows`): enter, exit in every mode, the LAST_EXITED fill over
+    an FP8 cache, take, and take with lanes."""
+    from vllm_rlt.kernels import run_rows
+    from vllm_rlt.kernels.kv_format import FP8
+    from vllm_rlt.worker.kv_cache import DeviceKVCache
+    from vllm_rlt.worker.run_state import RunState
+
+    rows, hidden, vocab, planes, blocks = 4, 64, 32, 4, 6
+    s = RunState(8, 8, vocab, planes, blocks, hidden, torch.bfloat16, "cpu", lanes=2)
+    buffer, out = torch.zeros(12, hidden, dtype=torch.bfloat16), torch.zeros(rows, hidden)
+    run_rows.enter_rows(s, rows, out.to(torch.bfloat16), buffer, 0, 4)
+    for mode in run_rows.EXIT_MODES:
+        run_rows.exit_rows(s, rows, mode, torch.zeros(rows), out.to(torch.bfloat16), buffer)
+    run_rows.fill_skipped(s, rows, DeviceKVCache(2, 96, 4, 2, 8, FP8, "cpu"))
+    tokens = torch.zeros(rows, dtype=torch.int64)
+    run_rows.take_tokens(s, rows, tokens, torch.zeros(12, 3, dtype=torch.int64))
+    run_rows.take_lanes(s, 2, 2, 1, tokens)
 
 
 def main() -> None:

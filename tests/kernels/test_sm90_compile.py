@@ -12,7 +12,8 @@ from pathlib import Path
 KERNELS = {
     "_rms_norm_kernel", "_silu_mul_kernel", "_gate_kernel", "_rope_kernel", "_write_kv_kernel",
     "_bias_rope_kernel", "_skinny_gemm_kernel", "_invariant_gemm_kernel",
-    "_paged_attention_kernel", "_combine_kernel",
+    "_paged_attention_kernel", "_combine_kernel", "_enter_kernel", "_exit_kernel", "_fill_kernel",
+    "_take_kernel", "_take_lanes_kernel",
 }  # fmt: skip
 
 
