@@ -26,7 +26,7 @@ import triton.language as tl
 
 from vllm_rlt.kernels.device_info import INTERPRET
 from vllm_rlt.kernels.kv_format import KVLayer
-from vllm_rlt.kernels.kv_write import check_target, stored
+from vllm_rlt.kernels.kv_write import kv_target, stored
 from vllm_rlt.kernels.pdl import launch_options, pdl, release_dependents, wait_for_primary
 from vllm_rlt.tensor_utils import acc_dtype
 
@@ -273,9 +273,7 @@ def rope_qk_(
         raise ValueError("the RoPE tables must be in qkv's dtype")
     if cos.stride(-1) != 1 or signed_sin.stride(-1) != 1:
         raise ValueError("the RoPE tables must be contiguous along head_dim")
-    if kv is not None:
-        check_target(*kv, rows, num_kv_heads, head_dim, qkv.dtype)
-    cache, slots = kv if kv else (KVLayer(qkv, qkv), qkv)
+    cache, slots = kv_target(kv, rows, num_kv_heads, head_dim, qkv)
     heads = rotated + (num_kv_heads if kv else 0)
     block_half = triton.next_power_of_2(head_dim // 2)
     block_h = min(triton.next_power_of_2(heads), max(1, 1024 // block_half))

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from vllm_rlt.kernels.fused_ops import NO_FMA, _acc, _check_rows, _round
 from vllm_rlt.kernels.kv_format import KVLayer
-from vllm_rlt.kernels.kv_write import check_target, stored
+from vllm_rlt.kernels.kv_write import kv_target, stored
 
 BLOCK = 1024  # pairs per program
 
@@ -83,9 +83,7 @@ def bias_rope_(
         raise ValueError(f"the RoPE table must be [R, 1, {head_dim // 2}, 2] fp32")
     if table.stride(-1) != 1 or table.stride(-2) != 2:
         raise ValueError("the RoPE table must be contiguous along its last two dimensions")
-    if kv is not None:
-        check_target(*kv, rows, num_heads, head_dim, qkv.dtype)
-    cache, slots = kv if kv else (KVLayer(qkv, qkv), qkv)
+    cache, slots = kv_target(kv, rows, num_heads, head_dim, qkv)
     pairs = cols + (cols // 2 if kv else 0)  # q | k pairs, then v's
     if rows:
         _bias_rope_kernel[(rows, triton.cdiv(pairs, BLOCK))](

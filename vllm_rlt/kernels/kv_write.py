@@ -89,6 +89,22 @@ def check_target(
         raise ValueError(f"slot_mapping must hold one slot per row, got {tuple(slots.shape)}")
 
 
+def kv_target(
+    kv: tuple[KVLayer, torch.Tensor] | None,
+    rows: int,
+    num_kv_heads: int,
+    head_dim: int,
+    placeholder: torch.Tensor,
+) -> tuple[KVLayer, torch.Tensor]:
+    """The (caches, slots) a kernel that may also write k and v takes: `kv` checked against
+    `rows` rows of heads in `placeholder`'s dtype, or without one `placeholder` in their places
+    (the kernel then stores nothing there)."""
+    if kv is None:
+        return KVLayer(placeholder, placeholder), placeholder
+    check_target(*kv, rows, num_kv_heads, head_dim, placeholder.dtype)
+    return kv
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, cache: KVLayer, slot_mapping: torch.Tensor
 ) -> None:

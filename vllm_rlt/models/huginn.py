@@ -87,7 +87,6 @@ class HuginnAttention(nn.Module):
         heads = (self.num_heads, self.head_dim)
         q, k, v, written = kernels.bias_rope(qkv, self.qk_bias, rope, *heads,
                                              (cache, meta.slot_mapping))  # fmt: skip
-        v = v if written else v.contiguous()  # the KV write takes rows contiguous over heads
         out = self.backend.forward(q, k, v, cache, meta, kv_stored=written)
         return kernels.linear(out.reshape(x.shape[0], -1), self.proj.weight)
 
