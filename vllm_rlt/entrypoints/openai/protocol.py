@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -18,6 +18,42 @@ def random_id(prefix: str) -> str:
 class _Request(BaseModel):
     # strict: "5" is not an int and 1 is not a bool; unknown fields are ignored like OpenAI's
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# Fields of OpenAI's and vLLM's requests that this server does not implement, with the values
+# that ask for nothing (clients send some of them by default): any other value is a 400 that
+# names the field, where ignoring it would serve the request as if it had not been asked.
+_NOT_IMPLEMENTED = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
+
+
+def _refuse(name: str, value: Any, neutral: tuple) -> None:
+    """A ValueError naming the field unless `value` is None or one of its `neutral` values (a
+    bool matches only a bool: False is not 0)."""
+    if value is None or any(
+        value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral
+    ):
+        return
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    takes = " or ".join(repr(v) for v in (None, *neutral))
+    raise ValueError(f"{name}={shown} is not supported by this server (it takes {takes})")
 
 
 class StreamOptions(_Request):
@@ -42,6 +78,29 @@ class _SamplingFields(_Request):
     exit_threshold: float | None = None
     init_scale: float | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's)
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator(*_NOT_IMPLEMENTED)
+    @classmethod
+    def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
+        _refuse(info.field_name, value, _NOT_IMPLEMENTED[info.field_name])
+        return value
 
     def sampling_kwargs(self) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -63,9 +122,26 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the context after the longest prompt
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # accepted where it equals n (one completion per sample)
+    suffix: Any = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        _refuse("suffix", value, ("",))
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            msg = f"best_of={value} is not supported by this server (it takes None or n={n})"
+            raise ValueError(msg)
+        return value
 
 
 class ChatMessage(_Request):
@@ -80,6 +156,26 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: Any = None
+    tool_choice: Any = None
+    tools: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        _refuse("response_format", value, ({"type": "text"},))
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        """Tools are refused unless tool_choice is "none": this server parses no tool calls."""
+        if value and info.data.get("tool_choice") != "none":
+            raise ValueError(
+                "tools are not supported by this server (it parses no tool calls) unless "
+                'tool_choice is "none"'
+            )
+        return value
 
 
 class TokenizeRequest(_Request):

@@ -114,7 +114,8 @@ async def read_json(
         first = errors[0]
         loc = ".".join(str(p) for p in first["loc"])
         param = str(first["loc"][0]) if first["loc"] else None
-        raise APIError(400, f"{loc}: {first['msg']}", param=param) from None
+        msg = first["msg"].removeprefix("Value error, ")  # (a validator's own message)
+        raise APIError(400, f"{loc}: {msg}", param=param) from None
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

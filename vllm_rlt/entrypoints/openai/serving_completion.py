@@ -89,8 +89,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     prompts = _prompts(state, req.prompt)
     # echo with logprobs: the prompt's tokens are scored too (evaluation harnesses read them)
     prompt_logprobs = req.logprobs if req.echo else None
+    max_tokens = req.max_tokens
+    if max_tokens is None:  # the rest of the context after the longest prompt
+        max_tokens = max(1, state.max_model_len - max(len(p) for p in prompts))
     params = state.sampling_params(
-        max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+        max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
         **req.sampling_kwargs(),
     )  # fmt: skip
     request_id = random_id("cmpl")
