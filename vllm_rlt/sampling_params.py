@@ -88,6 +88,9 @@ class SamplingParams:
     # keep the k most likely tokens; 0 = off (-1 is accepted and stored as 0); the engine checks
     # k against the vocabulary
     top_k: int = 0
+    # min-p: keep the tokens whose probability (after temperature) is at least min_p times the
+    # most likely token's; 0 = off
+    min_p: float = 0.0
     seed: int | None = None  # sample i's seed is seed + i, in [0, 2**63 - 1]; None = drawn
     min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
     # most loops a decode token runs (Huginn: every position, prompt included); None = depth
@@ -117,6 +120,11 @@ class SamplingParams:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         fix("top_p", top_p)
+
+        min_p = _float("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        fix("min_p", min_p)
 
         top_k = _int("top_k", self.top_k)
         if top_k < -1:

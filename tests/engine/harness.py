@@ -55,6 +55,7 @@ def random_jobs(rng: random.Random, num: int, vocab: int, depth: int, max_prompt
             temperature=0.0 if greedy else rng.choice([0.7, 1.0, 1.3]),
             top_k=rng.choice([0, 0, 5]),
             top_p=rng.choice([1.0, 1.0, 0.9]),
+            min_p=rng.choice([0.0, 0.0, 0.05]),
             seed=rng.randrange(10**6),
             exit_threshold=threshold,
             min_loops=min_loops,

@@ -50,6 +50,7 @@ def _jobs(seed: int, num: int = 8) -> list[Job]:
             temperature=0.0 if greedy else rng.choice([0.7, 1.2]),
             top_k=rng.choice([0, 5]),
             top_p=rng.choice([1.0, 0.9]),
+            min_p=rng.choice([0.0, 0.0, 0.1]),
             seed=rng.randrange(10**6),
             exit_threshold=rng.choice([0.3, 0.5, 0.7, 1.0]),
             min_loops=min_loops,
@@ -338,6 +339,8 @@ def test_an_abort_while_a_carried_run_is_in_flight_ends_that_request_alone(model
     computes what it computes without it."""
     jobs = [Job(j.req_id, j.prompt, j.params, 0) for j in _jobs(21, num=5)]
     jobs = [Job(j.req_id, j.prompt, replace(j.params, max_tokens=40), 0) for j in jobs]
+    # (the aborted one cannot end before the carried run)
+    jobs[0] = replace(jobs[0], params=replace(jobs[0].params, ignore_eos=True, stop_token_ids=()))
     want = _run(make_engine(model_dir, device_decode_loops=0), jobs[1:])
     eng = make_engine(model_dir, device_decode_loops=8)
     runs = _count_runs(eng)

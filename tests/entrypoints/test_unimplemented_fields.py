@@ -1,7 +1,8 @@
 """Request fields of OpenAI's and vLLM's APIs that the engine does not implement (penalties,
-`min_p`, `logit_bias`, structured outputs, tools, ...): a value that asks for something is a 400
+`logit_bias`, structured outputs, tools, ...): a value that asks for something is a 400
 naming the field, the values that ask for nothing are served as if absent; completions'
-`max_tokens: null` takes the rest of the context. Over real HTTP with the `openai` client."""
+`max_tokens: null` takes the rest of the context; `min_p`, which it implements. Over real HTTP
+with the `openai` client."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ ASKING = {  # field: a value that asks for what the engine does not do
     "presence_penalty": 0.5,
     "frequency_penalty": -1.0,
     "repetition_penalty": 1.2,
-    "min_p": 0.1,
     "min_tokens": 3,
     "logit_bias": {"5": 100},
     "bad_words": ["def"],
@@ -113,3 +113,22 @@ def test_completion_max_tokens_null_takes_the_rest_of_the_context(client):
     max_model_len = 257  # (the tiny model's window)
     assert out.usage.completion_tokens == 2 * (max_model_len - 40)
     assert {c.finish_reason for c in out.choices} == {"length"}
+
+
+def test_min_p_one_samples_the_most_likely_token_at_any_temperature(client):
+    """min_p keeps the tokens at least min_p times as likely as the most likely: at 1 only the
+    most likely, so a hot seeded sample is the greedy one; at 0 it is off."""
+    greedy = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=12,
+                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    hot = {"temperature": 3.0, "seed": 11, "max_tokens": 12}
+    pinned = client.completions.create(
+        model=MODEL, prompt="def f(x):", extra_body={"min_p": 1.0, "ignore_eos": True}, **hot
+    )
+    assert pinned.choices[0].text == greedy.choices[0].text
+    free = client.completions.create(
+        model=MODEL, prompt="def f(x):", extra_body={"min_p": 0.0, "ignore_eos": True}, **hot
+    )
+    assert free.choices[0].text != greedy.choices[0].text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"min_p": 1.5})
+    assert err.value.body["param"] == "min_p" and "[0, 1]" in err.value.body["message"]

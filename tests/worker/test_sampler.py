@@ -1,5 +1,5 @@
-"""The sampler: greedy is argmax, random draws follow softmax(logits / T) restricted by top-k and
-top-p, a row's draw depends only on (seed, counter, its logits), and logprobs are the raw
+"""The sampler: greedy is argmax, random draws follow softmax(logits / T) restricted by min-p,
+top-k and top-p, a row's draw depends only on (seed, counter, its logits), and logprobs are the raw
 log_softmax at the sampled token plus the true top alternatives."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from vllm_rlt.worker.sampler import SamplingTensors, gumbel_noise, sample
 CHI2_999 = {1: 10.83, 2: 13.82, 4: 18.47, 7: 24.32}
 
 
-def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=0, counters=None, num_logprobs=-1):
+def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=0, counters=None, num_logprobs=-1,
+            min_p=0.0):  # fmt: skip
     """SamplingTensors for n rows; scalars broadcast, counters default to 0..n-1."""
 
     def rows(v):
@@ -24,6 +25,7 @@ def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=0, counters=None, num_
         rows(temperature),
         rows(top_k),
         rows(top_p),
+        rows(min_p),
         rows(seeds),
         rows(counters),
         num_logprobs,
@@ -92,19 +94,22 @@ def test_batch_invariance_and_seed_reproducibility():
 
 
 def test_host_flags_take_exact_shortcuts():
-    """all_greedy / any_top_k_top_p only skip work: the general path gives the same tokens."""
+    """all_greedy / any_cut only skip work: the general path gives the same tokens."""
     torch.manual_seed(3)
     logits = torch.randn(32, 100)
-    for kw in (dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.0, top_p=0.7)):
+    for kw in (dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.0, top_p=0.7),
+               dict(temperature=1.0, min_p=0.2)):  # fmt: skip
         fast = tensors(32, **kw)
         general = SamplingTensors(
-            fast.temperature, fast.top_k, fast.top_p, fast.seeds, fast.counters, -1
+            fast.temperature, fast.top_k, fast.top_p, fast.min_p, fast.seeds, fast.counters, -1
         )
-        assert not general.all_greedy and general.any_top_k_top_p
+        assert not general.all_greedy and general.any_cut
         assert torch.equal(sample(logits, fast).token_ids, sample(logits, general).token_ids)
     assert tensors(2, temperature=0.0).all_greedy
     assert tensors(2, temperature=1.0, top_k=1).all_greedy
-    assert not tensors(2, temperature=1.0).any_top_k_top_p
+    assert not tensors(2, temperature=1.0).any_cut
+    assert tensors(2, temperature=1.0, min_p=0.1).any_cut
+    assert not tensors(2, temperature=0.0, min_p=0.1).any_cut  # (greedy rows cut nothing)
 
 
 def test_different_seeds_and_counters_give_different_draws():
@@ -176,6 +181,27 @@ def test_top_p_applies_after_temperature_and_top_k():
     # top-k 3 renormalises first: top-3 mass of softmax(logits) is 0.665, 0.245, 0.090
     ids = draws(logits, 2000, top_k=3, top_p=0.9, seeds=9)  # 0.665 + 0.245 = 0.91 >= 0.9
     assert set(ids.tolist()) == {0, 1}
+
+
+def test_min_p_keeps_the_tokens_within_min_p_of_the_most_likely_after_temperature():
+    probs = torch.tensor([0.05, 0.4, 0.02, 0.3, 0.15, 0.05, 0.02, 0.01])
+    logits = probs.log()
+    # p >= 0.25 * 0.4 = 0.1: {1, 3, 4}, renormalised 0.4 : 0.3 : 0.15
+    ids = draws(logits, 3000, min_p=0.25, seeds=8)
+    kept = torch.zeros(8)
+    kept[[1, 3, 4]] = torch.tensor([0.4, 0.3, 0.15]) / 0.85
+    stat, dof = chi_square(ids, kept)
+    assert stat < CHI2_999[dof], stat
+    # min_p 1 keeps the most likely token alone, at any temperature: greedy
+    assert set(draws(logits, 500, temperature=3.0, min_p=1.0, seeds=8).tolist()) == {1}
+    # after temperature: T = 0.5 squares the ratios (0.3 / 0.4)^2 = 0.5625 >= 0.5, 0.14 < 0.5
+    assert set(draws(logits, 1000, temperature=0.5, min_p=0.5, seeds=8).tolist()) == {1, 3}
+    # before top-p, which renormalises over min-p's survivors: 0.4 / 0.85 = 0.47 reaches 0.45
+    # (top-p alone would keep {1, 3}: 0.4 does not)
+    assert set(draws(logits, 1000, min_p=0.25, top_p=0.45, seeds=8).tolist()) == {1}
+    assert set(draws(logits, 1000, top_p=0.45, seeds=8).tolist()) == {1, 3}
+    # off (0) samples from everything
+    assert len(set(draws(logits, 3000, min_p=0.0, seeds=8).tolist())) == 8
 
 
 def test_logprobs_are_raw_log_softmax():

@@ -16,10 +16,10 @@ N, K, V = 40_000, 2, 6
 ALPHA = 1e-3
 
 
-def tensors(seeds, counters, temperature=1.0, top_k=0, top_p=1.0) -> SamplingTensors:
+def tensors(seeds, counters, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingTensors:
     n = len(seeds)
     return SamplingTensors.build(
-        [temperature] * n, [top_k] * n, [top_p] * n, seeds, counters, -1, "cpu"
+        [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n, seeds, counters, -1, "cpu"
     )
 
 
@@ -35,7 +35,9 @@ def goodness_of_fit(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     return chi_square_sf(stat, int(keep.sum()) - 1)
 
 
-@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_k": 4}, {"top_p": 0.8}])
+@pytest.mark.parametrize(
+    "settings", [{}, {"temperature": 0.7, "top_k": 4}, {"top_p": 0.8}, {"min_p": 0.3}]
+)
 def test_rejection_sampling_keeps_the_target_distribution(settings):
     gen = torch.Generator().manual_seed(1)
     target = torch.randn(K + 1, V, generator=gen) * 1.5  # the same context in every window

@@ -26,6 +26,7 @@ SAMPLING_HELP = {
     "temperature": "0 = greedy",
     "top_p": "nucleus sampling mass in (0, 1]",
     "top_k": "keep the k most likely tokens (0 = off)",
+    "min_p": "keep the tokens at least min_p times as likely as the most likely (0 = off)",
     "min_loops": "fewest loops a decode token runs (default: 1)",
     "max_loops": "most loops a decode token runs (Huginn: every position, the prompt too), at "
     "most the model's depth (default: the depth)",

@@ -83,7 +83,7 @@ def activation_bytes(
     rows = torch.zeros(num_samples, hidden.shape[1], dtype=hidden.dtype, device=device)
     n = num_samples
     params = SamplingTensors.build(
-        [1.0] * n, [50] * n, [0.9] * n, [0] * n, [0] * n, MAX_LOGPROBS, device
+        [1.0] * n, [50] * n, [0.9] * n, [0.05] * n, [0] * n, [0] * n, MAX_LOGPROBS, device
     )
     samples = [EdgeSegment(i % num_rows, 1, planes, 0, 1.0) for i in range(n)]
     sampled = sample(edges.logits(rows, samples), params)

@@ -94,7 +94,7 @@ class PlanDriver:
         self.tables[req_id] = tables
         data = NewRequestData(
             req_id, tuple(token_ids), ring_slots=1, chunk_size=len(token_ids), temperature=0.0,
-            top_k=0, top_p=1.0, seed=seed, num_logprobs=-1, num_prompt_logprobs=-1,
+            top_k=0, top_p=1.0, min_p=0.0, seed=seed, num_logprobs=-1, num_prompt_logprobs=-1,
             init_scale=init_scale,
         )  # fmt: skip
         batch = ExecutionBatch((), 0, new_requests=(data,), block_tables=((req_id, tables),))

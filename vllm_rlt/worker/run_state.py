@@ -38,8 +38,8 @@ class RunState:
         (self.top_k, self.seeds, self.base, self.slots, self.state_rows, self.loops,
          self.exit_at, self.position, self.count, self.max_count, self.min_loops,
          self.max_loops) = self._ints  # fmt: skip
-        self._f32 = zeros(2, s, dtype=torch.float32)
-        self.temperature, self.top_p = self._f32
+        self._f32 = zeros(3, s, dtype=torch.float32)
+        self.temperature, self.top_p, self.min_p = self._f32
         self._f64 = zeros(2, s, dtype=torch.float64)
         self.remaining, self.threshold = self._f64
         self._flags = zeros(5, s, dtype=torch.bool)
@@ -93,7 +93,8 @@ class RunState:
         ints[0] = [p.top_k for p in params]
         ints[1] = [p.seed for p in params]
         ints[2, :r] = np.repeat([x.num_sampled for x in rows], lanes)  # the trace's base
-        f32 = np.array([[p.temperature for p in params], [p.top_p for p in params]], np.float32)
+        f32 = np.array([[p.temperature for p in params], [p.top_p for p in params],
+                        [p.min_p for p in params]], np.float32)  # fmt: skip
         # the blocks of the positions the runs may reach (all the rows' blocks)
         planes = self.tables.shape[1]
         width = min(max(len(t) for m in mirrors for t in m.block_tables[:planes]),
@@ -142,7 +143,7 @@ class RunState:
         self.phase.zero_()
         self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
-        return self._sampling(arrays[0][0], arrays[1][0], arrays[1][1], num_logprobs)
+        return self._sampling(arrays[0][0], *arrays[1], num_logprobs)
 
     @staticmethod
     def _fresh(rows, mirrors, states, padded: int, lanes: int) -> list[np.ndarray]:
@@ -214,8 +215,9 @@ class RunState:
         self._ints[:2, :rows] = 0  # top-k, seed
         self._f32[0, :rows] = 0.0  # greedy
         self._f32[1, :rows] = 1.0
+        self._f32[2, :rows] = 0.0
         zeros = np.zeros(rows, dtype=np.float32)
-        return self._sampling(zeros.astype(np.int64), zeros, zeros + 1, -1)
+        return self._sampling(zeros.astype(np.int64), zeros, zeros + 1, zeros, -1)
 
     def _idle(self, start: int, end: int) -> None:
         """Rows [start, end) stopped, their state rows and slots valid indices, at position 0
@@ -229,11 +231,11 @@ class RunState:
         self.state_rows[start:end] = 0
         self.slots[start:end] = 0
 
-    def _sampling(self, top_k, temperature, top_p, num_logprobs: int) -> SamplingTensors:
+    def _sampling(self, top_k, temperature, top_p, min_p, num_logprobs: int) -> SamplingTensors:
         """The sampling tensors over the loaded buffers (host copies of the settings, float32
         as on the device: the shortcut flags cost no device sync)."""
         r = len(top_k)
-        all_greedy, any_cut = shortcuts(top_k=top_k, temperature=temperature, top_p=top_p)
+        all_greedy, any_cut = shortcuts(temperature, top_k, top_p, min_p)
         if num_logprobs >= 0 and num_logprobs not in self._logprobs:
             shape = (*self.tokens.shape, 1 + num_logprobs)
             self._logprobs[num_logprobs] = (
@@ -242,8 +244,8 @@ class RunState:
             )
         return SamplingTensors(
             temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
-            seeds=self.seeds[:r], counters=self.count[:r], num_logprobs=num_logprobs,
-            all_greedy=all_greedy, any_top_k_top_p=any_cut,
+            min_p=self.min_p[:r], seeds=self.seeds[:r], counters=self.count[:r],
+            num_logprobs=num_logprobs, all_greedy=all_greedy, any_cut=any_cut,
         )  # fmt: skip
 
     def record_logprobs(self, r: int, out: SamplerOutput) -> None:

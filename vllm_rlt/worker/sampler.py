@@ -1,10 +1,11 @@
 """Token sampling over a batch of logit rows, vectorised and independent of batch composition.
 
-Greedy rows take the argmax (ties -> lowest id). Random rows apply temperature, then top-k, then
-top-p, and sample with the Gumbel-max trick: the noise for (row, vocab id v) is a counter-based
-hash of (seed, counter, v), so a request's token depends only on its seed, its output-token index
-and its logits - never on the other rows of the batch or their order. Logprobs come from the raw
-logits (fp32 log_softmax before temperature/top-k/top-p), as vLLM reports them by default.
+Greedy rows take the argmax (ties -> lowest id). Random rows apply temperature, then min-p, then
+top-k, then top-p (vLLM's order), and sample with the Gumbel-max trick: the noise for (row,
+vocab id v) is a counter-based hash of (seed, counter, v), so a request's token depends only on
+its seed, its output-token index and its logits - never on the other rows of the batch or their
+order. Logprobs come from the raw logits (fp32 log_softmax before temperature, min-p, top-k and
+top-p), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ class SamplingTensors:
     temperature: torch.Tensor  # [N] float32; below 1e-5 (0) = greedy
     top_k: torch.Tensor  # [N] int64; 0 = off
     top_p: torch.Tensor  # [N] float32; 1.0 = off
+    min_p: torch.Tensor  # [N] float32; 0 = off
     seeds: torch.Tensor  # [N] int64 per-request seed (the engine draws one for unseeded requests)
     counters: torch.Tensor  # [N] int64 index of the output token being sampled (0-based)
     num_logprobs: int  # most top alternatives asked for in the batch; -1 = no logprobs at all
     all_greedy: bool = False  # host-known: every row is greedy, so skip the random path
-    any_top_k_top_p: bool = True  # host-known: some row uses top-k or top-p, so sort the rows
+    any_cut: bool = True  # host-known: some random row cuts tokens (min-p, top-k or top-p)
 
     @classmethod
     def build(
@@ -36,6 +38,7 @@ class SamplingTensors:
         temperature: list[float],
         top_k: list[int],
         top_p: list[float],
+        min_p: list[float],
         seeds: list[int],
         counters: list[int],
         num_logprobs: int,
@@ -44,31 +47,33 @@ class SamplingTensors:
         """One tensor per field from per-row lists (row i of every list is row i of the logits),
         uploaded together."""
         host = [np.asarray(temperature, np.float32), np.asarray(top_k, np.int64),
-                np.asarray(top_p, np.float32), np.asarray(seeds, np.int64),
-                np.asarray(counters, np.int64)]  # fmt: skip
-        all_greedy, any_cut = shortcuts(host[0], host[1], host[2])
-        temperature_t, top_k_t, top_p_t, seeds_t, counters_t = to_device_packed(
+                np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
+                np.asarray(seeds, np.int64), np.asarray(counters, np.int64)]  # fmt: skip
+        all_greedy, any_cut = shortcuts(*host[:4])
+        temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, counters_t = to_device_packed(
             host, torch.device(device)
         )
         return cls(
             temperature=temperature_t,
             top_k=top_k_t,
             top_p=top_p_t,
+            min_p=min_p_t,
             seeds=seeds_t,
             counters=counters_t,
             num_logprobs=num_logprobs,
             all_greedy=all_greedy,
-            any_top_k_top_p=any_cut,
+            any_cut=any_cut,
         )
 
     @classmethod
     def of(cls, params, counters: list[int], num_logprobs: int, device) -> SamplingTensors:
-        """`build` from per-row settings objects (`temperature`, `top_k`, `top_p`, `seed`
-        attributes, as NewRequestData)."""
+        """`build` from per-row settings objects (`temperature`, `top_k`, `top_p`, `min_p`,
+        `seed` attributes, as NewRequestData)."""
         return cls.build(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
             top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
             seeds=[p.seed for p in params],
             counters=counters,
             num_logprobs=num_logprobs,
@@ -100,12 +105,14 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(token_ids, logprobs, logprob_token_ids)
 
 
-def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> tuple[bool, bool]:
-    """(every row takes the argmax, some random row cuts with top-k or top-p) from host copies
-    of the settings (temperature and top-p in float32, as on the device): flags that let the
+def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+              min_p: np.ndarray) -> tuple[bool, bool]:  # fmt: skip
+    """(every row takes the argmax, some random row cuts with min-p, top-k or top-p) from host
+    copies of the settings (the floats in float32, as on the device): flags that let the
     sampler skip work without a device sync."""
     greedy = (temperature < GREEDY_TEMPERATURE_EPS) | (top_k == 1)
-    return bool(greedy.all()), bool((((top_k > 0) | (top_p < 1.0)) & ~greedy).any())
+    cuts = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
+    return bool(greedy.all()), bool((cuts & ~greedy).any())
 
 
 def all_greedy(params) -> bool:
@@ -120,11 +127,14 @@ def greedy_rows(t: SamplingTensors) -> torch.Tensor:
 
 
 def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """[N, V] fp32 logits of the distribution random rows sample from: temperature, then top-k
-    and top-p (cut tokens at -inf); greedy rows get a throwaway value."""
+    """[N, V] fp32 logits of the distribution random rows sample from: temperature, then min-p,
+    top-k and top-p (cut tokens at -inf); greedy rows get a throwaway value."""
     temperature = torch.where(greedy_rows(t), torch.ones_like(t.temperature), t.temperature)
     scaled = logits.float() / temperature[:, None]
-    if t.any_top_k_top_p:
+    if t.any_cut:
+        # min-p: p / p_max >= min_p is scaled - max >= log(min_p) (log 0 = -inf keeps all)
+        floor = scaled.amax(dim=-1, keepdim=True) + t.min_p[:, None].log()
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         scaled = scaled.masked_fill(scaled < _cutoff(scaled, t.top_k, t.top_p), float("-inf"))
     return scaled
 

@@ -112,6 +112,7 @@ class NewRequestData:
     temperature: float  # sampling settings, as in SamplingParams
     top_k: int  # 0 = off
     top_p: float  # 1.0 = off
+    min_p: float  # 0 = off
     seed: int  # always set: the scheduler draws one for unseeded requests
     num_logprobs: int  # top alternatives to return per token; -1 = none
     num_prompt_logprobs: int  # the same for the prompt's tokens (scored at full depth); -1 = none

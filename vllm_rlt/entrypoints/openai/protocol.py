@@ -27,7 +27,6 @@ _NOT_IMPLEMENTED = {
     "presence_penalty": (0,),
     "frequency_penalty": (0,),
     "repetition_penalty": (1,),
-    "min_p": (0,),
     "min_tokens": (0,),
     "logit_bias": ({},),
     "allowed_token_ids": (),
@@ -66,6 +65,7 @@ class _SamplingFields(_Request):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -81,7 +81,6 @@ class _SamplingFields(_Request):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
-    min_p: Any = None
     min_tokens: Any = None
     logit_bias: Any = None
     allowed_token_ids: Any = None
@@ -109,6 +108,7 @@ class _SamplingFields(_Request):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
