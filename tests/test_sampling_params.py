@@ -64,6 +64,12 @@ BAD_VALUES = [
     ("min_p", -0.1, r"min_p must be in \[0, 1\], got -0.1"),
     ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
     ("min_p", "0.1", "min_p must be a number, got '0.1'"),
+    ("logit_bias", {-1: 1.0}, "logit_bias token ids must be >= 0, got -1"),
+    ("logit_bias", {"5": 1.0}, "logit_bias token id must be an int, got '5'"),
+    ("logit_bias", {5: 100.5}, r"logit_bias values must be in \[-100, 100\], got 100.5"),
+    ("logit_bias", {5: math.nan}, "logit_bias must be finite, got nan"),
+    ("logit_bias", {t: 1.0 for t in range(301)}, "logit_bias names at most 300 tokens, got 301"),
+    ("logit_bias", 5, "logit_bias must map token ids to biases, got 5"),
     ("top_k", -2, "top_k must be -1, 0 .* got -2"),
     ("top_k", 2.5, "top_k must be an int, got 2.5"),
     ("seed", 1.5, "seed must be an int, got 1.5"),
@@ -118,6 +124,7 @@ def test_accepts_edge_values():
         top_p=1e-9,
         top_k=1,
         min_p=1,
+        logit_bias={7: -100, 3: 100.0},
         seed=2**63 - 1,
         min_loops=2,
         max_loops=2,
@@ -125,6 +132,8 @@ def test_accepts_edge_values():
         logprobs=20,
     )
     assert p.exit_threshold == 0.0 and p.logprobs == 20 and p.seed == 2**63 - 1
+    assert p.logit_bias == ((3, 100.0), (7, -100.0)) and hash(p)  # sorted pairs: hashable
+    assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(exit_threshold=1, logprobs=0).exit_threshold == 1.0
     assert SamplingParams(n=3, seed=2**63 - 3).seed == 2**63 - 3  # the last sample's seed fits
 

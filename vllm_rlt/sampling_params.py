@@ -15,6 +15,8 @@ from typing import Any
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (vLLM's default max_logprobs)
 GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 SEED_MAX = 2**63 - 1  # seeds are int64 on the device; every sample's seed (seed + i) fits
+MAX_LOGIT_BIAS = 300  # most tokens a request's logit_bias may name
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range)
 
 
 def _int(name: str, value: Any) -> int:
@@ -74,6 +76,29 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return ids
 
 
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
+    """A {token id: bias} map (or (id, bias) pairs) as pairs sorted by id; None if empty."""
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {item!r}")
+        token, bias = _int("logit_bias token id", item[0]), _float("logit_bias", item[1])
+        if token < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        if abs(bias) > LOGIT_BIAS_LIMIT:
+            raise ValueError(
+                f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got "
+                f"{bias} for token {token}"
+            )
+        pairs[token] = bias
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias names at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}")
+    return tuple(sorted(pairs.items())) or None
+
+
 def samples_greedily(temperature: float, top_k: int) -> bool:
     """Whether these settings reduce sampling to argmax (temperature below 1e-5, or top_k == 1)."""
     return temperature < GREEDY_TEMPERATURE_EPS or top_k == 1
@@ -91,6 +116,9 @@ class SamplingParams:
     # min-p: keep the tokens whose probability (after temperature) is at least min_p times the
     # most likely token's; 0 = off
     min_p: float = 0.0
+    # {token id: bias} added to the logits before sampling (greedy too), each in [-100, 100],
+    # at most 300 tokens; stored as (id, bias) pairs sorted by id. Logprobs stay the raw ones
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     seed: int | None = None  # sample i's seed is seed + i, in [0, 2**63 - 1]; None = drawn
     min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
     # most loops a decode token runs (Huginn: every position, prompt included); None = depth
@@ -125,6 +153,9 @@ class SamplingParams:
         if not 0 <= min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         fix("min_p", min_p)
+
+        if self.logit_bias is not None:
+            fix("logit_bias", _logit_bias(self.logit_bias))
 
         top_k = _int("top_k", self.top_k)
         if top_k < -1:
@@ -197,6 +228,11 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be at most {vocab_size} (the vocabulary), got {value}"
                 )
+        outside = [t for t, _ in self.logit_bias or () if t >= vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}"
+            )
         outside = [t for t in self.stop_token_ids if t >= vocab_size]
         if outside:
             raise ValueError(

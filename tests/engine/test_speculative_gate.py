@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tests.engine.harness import Job, kv_all_free, make_engine
+from tests.engine.harness import Job, kv_all_free, make_engine, random_bias
 from tests.engine.test_device_runs import _assert_same, _run
 from vllm_rlt.config import ConfigError
 from vllm_rlt.core.sched import device_runs as sched_runs
@@ -29,7 +29,8 @@ D = 4  # the packaged model's loops
 def _jobs(seed: int, num: int = 8) -> list[Job]:
     """Mostly greedy requests on the packaged model (text-like prompts), some with their own
     threshold or `min_loops`, stop ids or EOS; a sampled one and one asking for logprobs
-    (both decode plainly); staggered arrivals, a shared system prompt."""
+    (both decode plainly), some with a logit bias; staggered arrivals, a shared system
+    prompt."""
     rng = random.Random(seed)
     system = rng.choices(range(40, 120), k=10)
     jobs = []
@@ -44,6 +45,7 @@ def _jobs(seed: int, num: int = 8) -> list[Job]:
             min_loops=rng.choice([None, None, 2]),
             ignore_eos=rng.random() < 0.6,
             stop_token_ids=rng.sample(range(40, 120), 3) if rng.random() < 0.3 else (),
+            logit_bias=random_bias(seed, i, range(40, 120)),
         )
         prompt = rng.choice([system, []]) + rng.choices(range(40, 120), k=rng.randint(2, 24))
         jobs.append(Job(f"j{i}", prompt, params, rng.choice([0, 0, 0, 2, 6])))

@@ -1,7 +1,7 @@
 """Request fields of OpenAI's and vLLM's APIs that the engine does not implement (penalties,
-`logit_bias`, structured outputs, tools, ...): a value that asks for something is a 400
-naming the field, the values that ask for nothing are served as if absent; completions'
-`max_tokens: null` takes the rest of the context; `min_p`, which it implements. Over real HTTP
+structured outputs, tools, ...): a value that asks for something is a 400 naming the field,
+the values that ask for nothing are served as if absent; completions' `max_tokens: null` takes
+the rest of the context; `min_p` and `logit_bias`, which it implements. Over real HTTP
 with the `openai` client."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ ASKING = {  # field: a value that asks for what the engine does not do
     "frequency_penalty": -1.0,
     "repetition_penalty": 1.2,
     "min_tokens": 3,
-    "logit_bias": {"5": 100},
     "bad_words": ["def"],
     "allowed_token_ids": [1, 2],
     "use_beam_search": True,
@@ -132,3 +131,27 @@ def test_min_p_one_samples_the_most_likely_token_at_any_temperature(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"min_p": 1.5})
     assert err.value.body["param"] == "min_p" and "[0, 1]" in err.value.body["message"]
+
+
+def _token_ids(out) -> list[int]:
+    """The completion's token ids (requested with logprobs and return_tokens_as_token_ids)."""
+    return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+
+def test_logit_bias_forces_or_bans_tokens_and_leaves_logprobs_raw(client):
+    base = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 6, "logprobs": 1,
+            "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}  # fmt: skip
+    forced = 17
+    pinned = client.completions.create(**base, temperature=1.0, seed=3,
+                                       logit_bias={str(forced): 100})  # fmt: skip
+    assert _token_ids(pinned) == [forced] * 6
+    # its logprobs are the model's own, not the biased ones: the forced token is not certain
+    assert all(lp < -1e-3 for lp in pinned.choices[0].logprobs.token_logprobs)
+    greedy = _token_ids(client.completions.create(**base, temperature=0))
+    banned = client.completions.create(**base, temperature=0, logit_bias={str(greedy[0]): -100})
+    assert _token_ids(banned)[0] != greedy[0]
+    for bad, why in (({"x": 1}, "token ids"), ({"5": 101}, "[-100, 100]"),
+                     ({"100000": 1}, "vocabulary")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", logit_bias=bad)
+        assert err.value.body["param"] == "logit_bias" and why in err.value.body["message"]

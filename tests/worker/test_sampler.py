@@ -14,7 +14,7 @@ CHI2_999 = {1: 10.83, 2: 13.82, 4: 18.47, 7: 24.32}
 
 
 def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=0, counters=None, num_logprobs=-1,
-            min_p=0.0):  # fmt: skip
+            min_p=0.0, logit_bias=None):  # fmt: skip
     """SamplingTensors for n rows; scalars broadcast, counters default to 0..n-1."""
 
     def rows(v):
@@ -30,6 +30,7 @@ def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=0, counters=None, num_
         rows(counters),
         num_logprobs,
         "cpu",
+        logit_bias=None if logit_bias is None else [logit_bias] * n,
     )
 
 
@@ -202,6 +203,29 @@ def test_min_p_keeps_the_tokens_within_min_p_of_the_most_likely_after_temperatur
     assert set(draws(logits, 1000, top_p=0.45, seeds=8).tolist()) == {1, 3}
     # off (0) samples from everything
     assert len(set(draws(logits, 3000, min_p=0.0, seeds=8).tolist())) == 8
+
+
+def test_logit_bias_shifts_the_logits_every_row_samples_from_but_not_the_logprobs():
+    probs = torch.tensor([0.05, 0.4, 0.02, 0.3, 0.15, 0.05, 0.02, 0.01])
+    logits = probs.log()
+    # +100 forces a token, greedy or not; -100 bans the argmax
+    for temperature in (0.0, 1.0):
+        assert set(draws(logits, 300, temperature=temperature, seeds=2,
+                         logit_bias=((6, 100.0),)).tolist()) == {6}  # fmt: skip
+    assert set(draws(logits, 300, temperature=0.0, logit_bias=((1, -100.0),)).tolist()) == {3}
+    # a bias of log 2 doubles a token's odds: sampled from the renormalised distribution
+    shifted = probs.clone()
+    shifted[7] *= 2
+    ids = draws(logits, 4000, seeds=5, logit_bias=((7, float(torch.tensor(2.0).log())),))
+    stat, dof = chi_square(ids, shifted / shifted.sum())
+    assert stat < CHI2_999[dof], stat
+    out = sample(logits.expand(4, -1), tensors(4, num_logprobs=2, logit_bias=((6, 100.0),)))
+    assert out.token_ids.tolist() == [6] * 4
+    torch.testing.assert_close(out.logprobs[:, 0], logits.log_softmax(-1)[[6] * 4])
+    # rows without a bias (padding: token 0, bias 0) sample as if there were none
+    mixed = SamplingTensors.build([0.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, [0] * 2, [0, 1], -1,
+                                  "cpu", logit_bias=[((6, 100.0),), None])  # fmt: skip
+    assert sample(logits.expand(2, -1), mixed).token_ids.tolist() == [6, 1]
 
 
 def test_logprobs_are_raw_log_softmax():

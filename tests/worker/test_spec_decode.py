@@ -16,10 +16,19 @@ N, K, V = 40_000, 2, 6
 ALPHA = 1e-3
 
 
-def tensors(seeds, counters, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingTensors:
+def tensors(seeds, counters, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+            logit_bias=None) -> SamplingTensors:  # fmt: skip
     n = len(seeds)
     return SamplingTensors.build(
-        [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n, seeds, counters, -1, "cpu"
+        [temperature] * n,
+        [top_k] * n,
+        [top_p] * n,
+        [min_p] * n,
+        seeds,
+        counters,
+        -1,
+        "cpu",
+        logit_bias=[logit_bias] * n,
     )
 
 
@@ -86,3 +95,17 @@ def test_greedy_accepts_the_agreeing_prefix():
     assert tokens[0].tolist() == [2, 2, 2]  # both accepted, then the target's token
     assert tokens[1, :2].tolist() == [2, 4]  # the second draft differs: the target's 4
     assert tokens[2, 0].item() == 2  # the first draft differs
+
+
+def test_greedy_drafts_and_targets_take_the_biased_argmax():
+    """A logit bias moves both the draft and the target: the window's tokens are those of
+    plain greedy decoding with the bias."""
+    target = torch.zeros(2, K + 1, V)
+    target[:, :, 2] = 1.0  # raw argmax 2; with +2 on token 5: 5
+    t = tensors([0] * 2 * (K + 1), [0] * 2 * (K + 1), temperature=0.0, logit_bias=((5, 2.0),))
+    drafts, probs = draft_tokens(target[:, 0], tensors([0] * 2, [0] * 2, temperature=0.0,
+                                                       logit_bias=((5, 2.0),)))  # fmt: skip
+    assert drafts.tolist() == [5, 5] and probs is None
+    tokens, counts = accept(target, torch.tensor([[5, 5], [2, 5]]), None, torch.tensor([2, 2]), t)
+    assert counts.tolist() == [3, 1]
+    assert tokens[0].tolist() == [5, 5, 5] and tokens[1, 0].item() == 5

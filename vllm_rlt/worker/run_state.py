@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from vllm_rlt.core.sched.execution_batch import DecodeRun
+from vllm_rlt.sampling_params import MAX_LOGIT_BIAS
 from vllm_rlt.tensor_utils import to_device_packed
-from vllm_rlt.worker.sampler import SamplerOutput, SamplingTensors, shortcuts
+from vllm_rlt.worker.sampler import SamplerOutput, SamplingTensors, bias_arrays, shortcuts
 
 _CARRIED_INTS = 3  # the integer fields every run loads (top-k, seed, the trace's base)
 _INTS = 12  # and those a fresh run loads after them
@@ -58,6 +59,9 @@ class RunState:
         self.settled = (zeros(max_rows), zeros(max_rows, dtype=torch.float64), zeros(max_rows),
                         zeros(max_rows, dtype=torch.bool))  # fmt: skip
         self.stop_mask = zeros(s, vocab_size, dtype=torch.bool)  # [row, token]: it ends the row
+        # logit bias: each row's token ids and biases (`sampler.bias_arrays`)
+        self.bias_ids = zeros(s, MAX_LOGIT_BIAS)
+        self.bias = zeros(s, MAX_LOGIT_BIAS, dtype=torch.float32)
         # trace mode: exit loops of the tokens it starts, in order (of a run and its carry)
         self.trace = zeros(s, 2 * t)
         # block tables of every plane, and the invocation's attention tables
@@ -119,7 +123,14 @@ class RunState:
             else:  # a fresh run's integers: one array, one copy
                 arrays[0] = np.concatenate([ints, more])
             arrays += fresh
-        ints, f32, tables, trace, *fresh = to_device_packed(arrays, self.device)
+        biased = any(p.logit_bias for p in params)
+        if biased:  # (last: popped first)
+            arrays += bias_arrays([p.logit_bias for p in params])
+        arrays_t = list(to_device_packed(arrays, self.device))
+        if biased:
+            self.bias[:padded].copy_(arrays_t.pop())
+            self.bias_ids[:padded].copy_(arrays_t.pop())
+        ints, f32, tables, trace, *fresh = arrays_t
         self._ints[: len(ints), :padded].copy_(ints)
         self._f32[:, :padded].copy_(f32)
         self.tables[:r, :, :width].copy_(tables)
@@ -143,7 +154,7 @@ class RunState:
         self.phase.zero_()
         self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
-        return self._sampling(arrays[0][0], *arrays[1], num_logprobs)
+        return self._sampling(arrays[0][0], *arrays[1], num_logprobs, biased)
 
     @staticmethod
     def _fresh(rows, mirrors, states, padded: int, lanes: int) -> list[np.ndarray]:
@@ -231,9 +242,11 @@ class RunState:
         self.state_rows[start:end] = 0
         self.slots[start:end] = 0
 
-    def _sampling(self, top_k, temperature, top_p, min_p, num_logprobs: int) -> SamplingTensors:
+    def _sampling(self, top_k, temperature, top_p, min_p, num_logprobs: int,
+                  biased: bool = False) -> SamplingTensors:  # fmt: skip
         """The sampling tensors over the loaded buffers (host copies of the settings, float32
-        as on the device: the shortcut flags cost no device sync)."""
+        as on the device: the shortcut flags cost no device sync; `biased`: some row has a
+        logit bias)."""
         r = len(top_k)
         all_greedy, any_cut = shortcuts(temperature, top_k, top_p, min_p)
         if num_logprobs >= 0 and num_logprobs not in self._logprobs:
@@ -246,6 +259,7 @@ class RunState:
             temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
             min_p=self.min_p[:r], seeds=self.seeds[:r], counters=self.count[:r],
             num_logprobs=num_logprobs, all_greedy=all_greedy, any_cut=any_cut,
+            bias_ids=self.bias_ids[:r] if biased else None, bias=self.bias[:r] if biased else None,
         )  # fmt: skip
 
     def record_logprobs(self, r: int, out: SamplerOutput) -> None:

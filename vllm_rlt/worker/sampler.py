@@ -1,6 +1,7 @@
 """Token sampling over a batch of logit rows, vectorised and independent of batch composition.
 
-Greedy rows take the argmax (ties -> lowest id). Random rows apply temperature, then min-p, then
+A request's logit bias is added to its logits first. Greedy rows take the argmax (ties -> lowest
+id). Random rows apply temperature, then min-p, then
 top-k, then top-p (vLLM's order), and sample with the Gumbel-max trick: the noise for (row,
 vocab id v) is a counter-based hash of (seed, counter, v), so a request's token depends only on
 its seed, its output-token index and its logits - never on the other rows of the batch or their
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from vllm_rlt.core.sched.execution_batch import SampledToken
-from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS, samples_greedily
+from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS, MAX_LOGIT_BIAS, samples_greedily
 from vllm_rlt.tensor_utils import counter_uniform, to_device_packed
 
 
@@ -31,6 +32,9 @@ class SamplingTensors:
     num_logprobs: int  # most top alternatives asked for in the batch; -1 = no logprobs at all
     all_greedy: bool = False  # host-known: every row is greedy, so skip the random path
     any_cut: bool = True  # host-known: some random row cuts tokens (min-p, top-k or top-p)
+    # logit bias: [N, B] token ids and their biases (padding: token 0, bias 0); None: no row has
+    bias_ids: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -43,14 +47,17 @@ class SamplingTensors:
         counters: list[int],
         num_logprobs: int,
         device: torch.device | str,
+        logit_bias: list | None = None,
     ) -> SamplingTensors:
-        """One tensor per field from per-row lists (row i of every list is row i of the logits),
-        uploaded together."""
+        """One tensor per field from per-row lists (row i of every list is row i of the logits;
+        `logit_bias`: each row's (id, bias) pairs or None), uploaded together."""
         host = [np.asarray(temperature, np.float32), np.asarray(top_k, np.int64),
                 np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
                 np.asarray(seeds, np.int64), np.asarray(counters, np.int64)]  # fmt: skip
         all_greedy, any_cut = shortcuts(*host[:4])
-        temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, counters_t = to_device_packed(
+        if logit_bias is not None and any(logit_bias):
+            host += bias_arrays(logit_bias, max(len(b or ()) for b in logit_bias))
+        temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, counters_t, *bias = to_device_packed(
             host, torch.device(device)
         )
         return cls(
@@ -63,17 +70,20 @@ class SamplingTensors:
             num_logprobs=num_logprobs,
             all_greedy=all_greedy,
             any_cut=any_cut,
+            bias_ids=bias[0] if bias else None,
+            bias=bias[1] if bias else None,
         )
 
     @classmethod
     def of(cls, params, counters: list[int], num_logprobs: int, device) -> SamplingTensors:
         """`build` from per-row settings objects (`temperature`, `top_k`, `top_p`, `min_p`,
-        `seed` attributes, as NewRequestData)."""
+        `seed`, `logit_bias` attributes, as NewRequestData)."""
         return cls.build(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
+            logit_bias=[p.logit_bias for p in params],
             seeds=[p.seed for p in params],
             counters=counters,
             num_logprobs=num_logprobs,
@@ -90,19 +100,38 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row of `logits` [N, V] (any float dtype, CPU or CUDA)."""
-    greedy_ids = logits.argmax(dim=-1)
+    shifted = biased(logits, t)
+    greedy_ids = shifted.argmax(dim=-1)
     if t.all_greedy:
         token_ids = greedy_ids
     else:
         noise = gumbel_noise(
             t.seeds, t.counters, torch.arange(logits.shape[-1], device=logits.device)
         )
-        random_ids = (processed_logits(logits, t) + noise).argmax(dim=-1)
+        random_ids = (processed_logits(shifted, t) + noise).argmax(dim=-1)
         token_ids = torch.where(greedy_rows(t), greedy_ids, random_ids)
     if t.num_logprobs < 0:
         return SamplerOutput(token_ids, None, None)
     logprobs, logprob_token_ids = token_logprobs(logits, token_ids, t.num_logprobs)
     return SamplerOutput(token_ids, logprobs, logprob_token_ids)
+
+
+def bias_arrays(logit_bias: list, width: int = MAX_LOGIT_BIAS) -> list[np.ndarray]:
+    """[N, width] token ids and float32 biases of each row's (id, bias) pairs (None: none),
+    padded with token 0 and bias 0 (adding 0 changes no logit)."""
+    ids = np.zeros((len(logit_bias), width), dtype=np.int64)
+    values = np.zeros((len(logit_bias), width), dtype=np.float32)
+    for i, pairs in enumerate(logit_bias):
+        if pairs:
+            ids[i, : len(pairs)], values[i, : len(pairs)] = zip(*pairs, strict=True)
+    return [ids, values]
+
+
+def biased(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
+    """`logits` with each row's logit bias added (fp32), or as they are when no row has one."""
+    if t is None or t.bias is None:
+        return logits
+    return logits.float().scatter_add(-1, t.bias_ids, t.bias)
 
 
 def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
@@ -115,10 +144,11 @@ def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
     return bool(greedy.all()), bool((cuts & ~greedy).any())
 
 
-def all_greedy(params) -> bool:
+def plain_argmax(params) -> bool:
     """Whether every row of `params` (per-row settings objects, as `SamplingTensors.of` takes)
-    takes the argmax: then the caller needs no sampling tensors (host check, no device work)."""
-    return all(samples_greedily(p.temperature, p.top_k) for p in params)
+    takes the argmax of its logits as they are (greedy, no logit bias): then the caller needs
+    no sampling tensors (host check, no device work)."""
+    return all(samples_greedily(p.temperature, p.top_k) and not p.logit_bias for p in params)
 
 
 def greedy_rows(t: SamplingTensors) -> torch.Tensor:

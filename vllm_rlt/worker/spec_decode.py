@@ -6,7 +6,7 @@ tokens are those of plain decoding. Random rows use standard rejection sampling:
 drawn from `q` is accepted with probability min(1, p(x) / q(x)); at the first rejection the
 token is drawn from normalize(max(0, p - q)); when every draft is accepted one more token is
 drawn from the target. The output distribution is then exactly the target's. `p` and `q` are the
-distributions plain sampling draws from (temperature, top-k, top-p applied).
+distributions plain sampling draws from (logit bias, temperature, min-p, top-k, top-p applied).
 
 All randomness is counter-based, as in `sampler.py`: the noise of a decision is a function of the
 request's seed, the output index of the token it decides and a salt per kind of decision (draft,
@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 
 from vllm_rlt.tensor_utils import counter_uniform
-from vllm_rlt.worker.sampler import SamplingTensors, greedy_rows, gumbel_noise, processed_logits
+from vllm_rlt.worker.sampler import (
+    SamplingTensors,
+    biased,
+    greedy_rows,
+    gumbel_noise,
+    processed_logits,
+)
 
 _SALT_SHIFT = 40  # salts go above every counter a request reaches
 DRAFT, ACCEPT, RESIDUAL = 1, 2, 3  # salts of the decisions (plain sampling: 0)
@@ -34,6 +40,7 @@ def salted(t: SamplingTensors, salt: int) -> torch.Tensor:
 def draft_tokens(logits: torch.Tensor, t: SamplingTensors | None):
     """Draft tokens of `logits` [N, V] (`t` None: every row is greedy): (token ids [N] int64, the
     draft distribution [N, V] fp32 (None when every row is greedy))."""
+    logits = biased(logits, t)
     greedy_ids = logits.argmax(dim=-1)
     if t is None or t.all_greedy:
         return greedy_ids, None
@@ -64,7 +71,7 @@ def accept(
     """
     n, width, vocab = logits.shape
     k = width - 1
-    flat = logits.reshape(n * width, vocab)
+    flat = biased(logits.reshape(n * width, vocab), t)
     target_greedy = flat.argmax(dim=-1).reshape(n, width)
     columns = torch.arange(k, device=logits.device)
     valid = columns[None, :] < num_drafts[:, None]

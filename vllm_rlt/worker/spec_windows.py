@@ -16,7 +16,7 @@ import torch
 
 from vllm_rlt.core.sched.execution_batch import DraftSample, SampledToken, VerifySample
 from vllm_rlt.tensor_utils import read_back, to_device
-from vllm_rlt.worker.sampler import SamplingTensors, all_greedy
+from vllm_rlt.worker.sampler import SamplingTensors, plain_argmax
 from vllm_rlt.worker.spec_decode import accept, draft_tokens
 
 
@@ -91,6 +91,8 @@ class WindowTokens:
         return to_host
 
     def _tensors(self, params: list, counters: list[int]) -> SamplingTensors | None:
-        """The sampling tensors of rows with settings `params` (None when all are greedy: the
-        draft and the acceptance then need only the argmax)."""
-        return None if all_greedy(params) else SamplingTensors.of(params, counters, -1, self.device)
+        """The sampling tensors of rows with settings `params` (None when all take the plain
+        argmax: the draft and the acceptance then need nothing else)."""
+        if plain_argmax(params):
+            return None
+        return SamplingTensors.of(params, counters, -1, self.device)

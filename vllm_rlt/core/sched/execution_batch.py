@@ -123,6 +123,7 @@ class NewRequestData:
     resume_token: int | None = None
     # loops each fed-back output position runs (they follow the prompt in prompt_token_ids)
     resumed_loops: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # as in SamplingParams
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class _ChunkedPlanner:
             top_k=params.top_k,
             top_p=params.top_p,
             min_p=params.min_p,
+            logit_bias=params.logit_bias,
             seed=req.seed,
             num_logprobs=-1 if params.logprobs is None else params.logprobs,
             num_prompt_logprobs=-1 if req.prompt_logprobs is None else params.prompt_logprobs,

@@ -28,7 +28,6 @@ _NOT_IMPLEMENTED = {
     "frequency_penalty": (0,),
     "repetition_penalty": (1,),
     "min_tokens": (0,),
-    "logit_bias": ({},),
     "allowed_token_ids": (),
     "bad_words": ([],),
     "use_beam_search": (False,),
@@ -66,6 +65,7 @@ class _SamplingFields(_Request):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None  # {token id (a decimal string): bias}
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -82,7 +82,6 @@ class _SamplingFields(_Request):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     min_tokens: Any = None
-    logit_bias: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
@@ -94,6 +93,17 @@ class _SamplingFields(_Request):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[int, float] | None:
+        """The keys as token ids (SamplingParams checks the ids and biases)."""
+        if value is None:
+            return None
+        bad = [k for k in value if not k.isdecimal()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids, got {bad[0]!r}")
+        return {int(k): v for k, v in value.items()}
 
     @field_validator(*_NOT_IMPLEMENTED)
     @classmethod
@@ -109,6 +119,7 @@ class _SamplingFields(_Request):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            logit_bias=self.logit_bias,
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
