@@ -1,12 +1,12 @@
 """Token sampling over a batch of logit rows, vectorised and independent of batch composition.
 
 A request's logit bias is added to its logits first. Greedy rows take the argmax (ties -> lowest
-id). Random rows apply temperature, then min-p, then
-top-k, then top-p (vLLM's order), and sample with the Gumbel-max trick: the noise for (row,
-vocab id v) is a counter-based hash of (seed, counter, v), so a request's token depends only on
-its seed, its output-token index and its logits - never on the other rows of the batch or their
-order. Logprobs come from the raw logits (fp32 log_softmax before temperature, min-p, top-k and
-top-p), as vLLM reports them by default.
+id). Random rows apply temperature, then min-p, then top-k, then top-p (vLLM's order), and
+sample with the Gumbel-max trick: the noise for (row, vocab id v) is a counter-based hash of
+(seed, counter, v), so a request's token depends only on its seed, its output-token index and
+its logits - never on the other rows of the batch or their order. Logprobs come from the raw
+logits (fp32 log_softmax before the bias, temperature, min-p, top-k and top-p), as vLLM reports
+them by default.
 """
 
 from __future__ import annotations
