@@ -99,6 +99,13 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...] | None:
     return tuple(sorted(pairs.items())) or None
 
 
+def penalized(params) -> bool:
+    """Whether settings with penalty fields (SamplingParams, NewRequestData) turn one on."""
+    return bool(
+        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    )
+
+
 def samples_greedily(temperature: float, top_k: int) -> bool:
     """Whether these settings reduce sampling to argmax (temperature below 1e-5, or top_k == 1)."""
     return temperature < GREEDY_TEMPERATURE_EPS or top_k == 1
@@ -119,6 +126,14 @@ class SamplingParams:
     # {token id: bias} added to the logits before sampling (greedy too), each in [-100, 100],
     # at most 300 tokens; stored as (id, bias) pairs sorted by id. Logprobs stay the raw ones
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # penalties (vLLM's, after the logit bias): presence subtracts presence_penalty from the
+    # logit of every token the output holds, frequency frequency_penalty times its count (each
+    # in [-2, 2], OpenAI's range); repetition divides the positive logits of tokens in the
+    # prompt or the output by repetition_penalty (> 0) and multiplies the negative ones. Off: 0,
+    # 0, 1. A request with penalties does not speculate
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None  # sample i's seed is seed + i, in [0, 2**63 - 1]; None = drawn
     min_loops: int | None = None  # fewest loops a decode token runs before it may exit; None = 1
     # most loops a decode token runs (Huginn: every position, prompt included); None = depth
@@ -156,6 +171,15 @@ class SamplingParams:
 
         if self.logit_bias is not None:
             fix("logit_bias", _logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            fix(name, value)
+        repetition = _float("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
+        fix("repetition_penalty", repetition)
 
         top_k = _int("top_k", self.top_k)
         if top_k < -1:
@@ -208,6 +232,11 @@ class SamplingParams:
     def _fix(self, name: str, value: Any) -> None:
         """Store a normalised value on the frozen instance (only from __post_init__)."""
         object.__setattr__(self, name, value)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether some penalty is on (its logits depend on the tokens before)."""
+        return penalized(self)
 
     @property
     def is_greedy(self) -> bool:

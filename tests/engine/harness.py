@@ -43,13 +43,21 @@ class Job:
     priority: int = 0
 
 
-def random_bias(seed: int, i: int, tokens: range) -> dict[int, float] | None:
-    """A logit bias for about a third of the requests (request `i` of the jobs drawn from
-    `seed`), drawn apart from the jobs' other draws: a token pushed and one banned."""
+def random_extras(seed: int, i: int, tokens: range, penalties: bool = True) -> dict:
+    """SamplingParams fields for request `i` of the jobs drawn from `seed`, drawn apart from
+    the jobs' other draws: a logit bias (a token pushed, one banned) for about a third of the
+    requests, penalties for another third (unless not `penalties`: such requests do not
+    speculate)."""
     rng = random.Random(seed * 1000 + i)
-    if rng.random() < 0.67:
-        return None
-    return {rng.choice(tokens): rng.choice([-3.0, 2.0, 100.0]), rng.choice(tokens): -100.0}
+    draw = rng.random()
+    if draw >= 0.67:
+        bias = {rng.choice(tokens): rng.choice([-3.0, 2.0, 100.0]), rng.choice(tokens): -100.0}
+        return {"logit_bias": bias}
+    if penalties and draw >= 0.33:
+        return {"presence_penalty": rng.choice([0.0, 0.5, 2.0]),
+                "frequency_penalty": rng.choice([0.0, 1.0, -0.5]),
+                "repetition_penalty": rng.choice([1.0, 1.3, 0.8])}  # fmt: skip
+    return {}
 
 
 def random_jobs(rng: random.Random, num: int, vocab: int, depth: int, max_prompt: int = 40):
@@ -70,7 +78,7 @@ def random_jobs(rng: random.Random, num: int, vocab: int, depth: int, max_prompt
             min_loops=min_loops,
             max_loops=max_loops,
             ignore_eos=rng.random() < 0.7,
-            logit_bias=random_bias(rng.randrange(10**6), i, range(vocab)),
+            **random_extras(rng.randrange(10**6), i, range(vocab)),
         )
         prompt = rng.choices(range(vocab), k=rng.randint(1, max_prompt))
         jobs.append(Job(f"j{i}", prompt, params, rng.randint(0, 6), rng.randint(0, 2)))

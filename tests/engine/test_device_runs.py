@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.engine.harness import Job, compare, kv_all_free, make_engine, random_bias
+from tests.engine.harness import Job, compare, kv_all_free, make_engine, random_extras
 from vllm_rlt.config_sched import OFFLINE_RUN_LOOPS, SERVER_RUN_LOOPS, SchedulerConfig
 from vllm_rlt.core.sched.device_runs import RunPlanner
 from vllm_rlt.core.sched.exit_policy import make_exit_policy
@@ -37,9 +37,10 @@ def model_dir(tmp_path_factory):
     return write_tiny_ouro(tmp_path_factory.mktemp("m"), vocab_size=256, seed=5)
 
 
-def _jobs(seed: int, num: int = 8) -> list[Job]:
+def _jobs(seed: int, num: int = 8, extras: bool = False) -> list[Job]:
     """Gate-reading decoding (thresholds, min and max loops), greedy and seeded sampling with
-    top-k / top-p, logprobs, stop token ids; most arrive together, a few later."""
+    top-k / top-p / min-p, logprobs, stop token ids (`extras`: logit biases and penalties too);
+    most arrive together, a few later."""
     rng = random.Random(seed)
     jobs = []
     for i in range(num):
@@ -51,7 +52,7 @@ def _jobs(seed: int, num: int = 8) -> list[Job]:
             top_k=rng.choice([0, 5]),
             top_p=rng.choice([1.0, 0.9]),
             min_p=rng.choice([0.0, 0.0, 0.1]),
-            logit_bias=random_bias(seed, i, range(256)),
+            **(random_extras(seed, i, range(256)) if extras else {}),
             seed=rng.randrange(10**6),
             exit_threshold=rng.choice([0.3, 0.5, 0.7, 1.0]),
             min_loops=min_loops,
@@ -434,23 +435,3 @@ def test_traced_rows_sample_where_their_tokens_exit():
     planner = _planner("trace")
     req = _decoding(1, 4, 1.0, 1, trace=(3, 2, 1, 4, 2, 1), exit_at=3)
     assert _sample_at(planner, req, 12) == tuple(i in (2, 4, 5, 9, 11, 12) for i in range(13))
-
-
-def test_min_p_and_logit_bias_hold_inside_device_runs(model_dir):
-    """The sampling settings a run loads: a +100 bias gives every token of a hot sample inside
-    the runs, a -100 bias never appears, and min_p 1 at a high temperature is greedy decoding."""
-    eng = make_engine(model_dir, device_decode_loops=16)
-    runs = _count_runs(eng)
-    hot = {"max_tokens": 24, "temperature": 2.0, "seed": 4, "ignore_eos": True,
-           "exit_threshold": 0.5}  # fmt: skip
-    jobs = [
-        Job("forced", [3, 4, 5], SamplingParams(**hot, logit_bias={9: 100.0})),
-        Job("banned", [3, 4, 5], SamplingParams(**hot, logit_bias={t: -100.0 for t in range(128)})),
-        Job("pinned", [3, 4, 5], SamplingParams(**hot, min_p=1.0)),
-        Job("greedy", [3, 4, 5], SamplingParams(**{**hot, "temperature": 0.0})),
-    ]
-    got = _run(eng, jobs)
-    assert runs[0] and kv_all_free(eng)
-    assert got["forced"][0] == (9,) * 24
-    assert min(got["banned"][0]) >= 128
-    assert got["pinned"][0] == got["greedy"][0]

@@ -329,6 +329,19 @@ def test_logprobs_requests_decode_plainly(model_dir):
     assert eng.scheduler.spec.num_windows == 0
 
 
+def test_requests_with_penalties_decode_plainly(model_dir, always_draft):
+    """A request with a penalty opens no window (its logits depend on the tokens before); its
+    tokens are plain decoding's, and its neighbours' windows are unchanged."""
+    jobs = greedy_jobs(3, 6)
+    jobs[1] = Job("p", jobs[1].prompt, SamplingParams(max_tokens=12, temperature=0,
+                  exit_threshold=1.0, ignore_eos=True, frequency_penalty=1.5,
+                  repetition_penalty=1.2))  # fmt: skip
+    eng = make_engine(model_dir, num_speculative_tokens=2)
+    got = run_batched(eng, jobs)
+    assert got == run_batched(make_engine(model_dir), jobs)
+    assert eng.scheduler.spec.num_windows > 0 and kv_all_free(eng)
+
+
 @pytest.mark.parametrize("spec_cost", [6.0, 1.0])
 def test_the_measured_fallback_keeps_the_faster_mode_and_the_tokens(
     always_draft, spec_cost, monkeypatch

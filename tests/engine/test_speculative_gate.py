@@ -9,10 +9,11 @@ windows nor lanes cover is refused."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from tests.engine.harness import Job, kv_all_free, make_engine, random_bias
+from tests.engine.harness import Job, kv_all_free, make_engine, random_extras
 from tests.engine.test_device_runs import _assert_same, _run
 from vllm_rlt.config import ConfigError
 from vllm_rlt.core.sched import device_runs as sched_runs
@@ -45,7 +46,7 @@ def _jobs(seed: int, num: int = 8) -> list[Job]:
             min_loops=rng.choice([None, None, 2]),
             ignore_eos=rng.random() < 0.6,
             stop_token_ids=rng.sample(range(40, 120), 3) if rng.random() < 0.3 else (),
-            logit_bias=random_bias(seed, i, range(40, 120)),
+            **random_extras(seed, i, range(40, 120), penalties=False),
         )
         prompt = rng.choice([system, []]) + rng.choices(range(40, 120), k=rng.randint(2, 24))
         jobs.append(Job(f"j{i}", prompt, params, rng.choice([0, 0, 0, 2, 6])))
@@ -153,6 +154,19 @@ def test_preemption_prefix_hits_and_carried_runs():
     assert kv_all_free(eng) and eng.scheduler.prefix_hits > 0
     assert eng.scheduler.num_preemptions > 0 and lanes[0] > 0 and lanes[1] > 0
     _assert_same(eng, jobs, got, _plain("ouro", jobs, **kw), exact=True)
+
+
+def test_requests_with_penalties_decode_plainly_beside_lanes():
+    """A run over a request with a penalty has no lanes (its logits depend on the tokens
+    before): every request gets what plain decoding gives it."""
+    jobs = _jobs(9)
+    jobs = [Job(j.req_id, j.prompt, replace(j.params, presence_penalty=1.0), j.arrival_step)
+            if i % 3 == 0 else j for i, j in enumerate(jobs)]  # fmt: skip
+    eng = make_engine(default_model_dir(), max_num_seqs=6, num_speculative_tokens=3)
+    eng.eos_token_ids = (7, 11)
+    got = _run(eng, jobs)
+    assert kv_all_free(eng)
+    _assert_same(eng, jobs, got, _plain("ouro", jobs, max_num_seqs=6), exact=True)
 
 
 def test_no_more_lanes_live_than_the_model_has_loops(monkeypatch):

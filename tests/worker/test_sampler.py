@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_rlt.worker.sampler import SamplingTensors, gumbel_noise, sample
+from vllm_rlt.worker.sampler import SamplingTensors, gumbel_noise, penalties, sample
 
 # 99.9% quantile of the chi-square distribution with k degrees of freedom.
 CHI2_999 = {1: 10.83, 2: 13.82, 4: 18.47, 7: 24.32}
@@ -226,6 +226,25 @@ def test_logit_bias_shifts_the_logits_every_row_samples_from_but_not_the_logprob
     mixed = SamplingTensors.build([0.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, [0] * 2, [0, 1], -1,
                                   "cpu", logit_bias=[((6, 100.0),), None])  # fmt: skip
     assert sample(logits.expand(2, -1), mixed).token_ids.tolist() == [6, 1]
+
+
+def test_penalties_follow_vllm_repetition_then_frequency_and_presence():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]] * 2)
+    counts = torch.tensor([[0, 2, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    in_prompt = torch.tensor([[True, False, False, False, True, False]] * 2)
+    penalty = [(0.5, 0.25, 2.0), (0.0, 0.0, 1.0)]  # row 1: none
+    t = SamplingTensors.build([0.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, [0] * 2, [0] * 2, 0,
+                              "cpu", penalty=penalty, seen=(counts, in_prompt))  # fmt: skip
+    want = torch.tensor([2.0 / 2, -1.0 * 2 - 0.25 * 2 - 0.5, 0.5 / 2 - 0.25 - 0.5, 3.0,
+                         -2.0 * 2, 1.0])  # fmt: skip
+    torch.testing.assert_close(penalties(logits, t)[0], want, rtol=0, atol=0)
+    assert torch.equal(penalties(logits, t)[1], logits[1])  # bits unchanged without one
+    out = sample(logits, t)
+    assert out.token_ids.tolist() == [3, 3]
+    torch.testing.assert_close(out.logprobs[:, 0], logits.log_softmax(-1)[:, 3])  # raw
+    # a penalty that moves the argmax: token 3 seen 4 times at frequency 1
+    counts[0, 3] = 4
+    assert sample(logits, t).token_ids.tolist() == [0, 3]
 
 
 def test_logprobs_are_raw_log_softmax():

@@ -35,6 +35,7 @@ from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.kv_cache import DeviceKVCache
 from vllm_rlt.worker.memory_profile import measure_device_memory
 from vllm_rlt.worker.model_runner import ModelRunner
+from vllm_rlt.worker.penalties import PenaltyState
 from vllm_rlt.worker.run_state import RunState
 from vllm_rlt.worker.spec_windows import WindowTokens
 
@@ -92,6 +93,7 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     states = HiddenStateStore(sc.max_num_seqs, ring_rows, model.state_size, weight.dtype,
                               weight.device)  # fmt: skip
     windows = WindowTokens(sc.max_num_seqs, max_drafts, weight.shape[0], weight.device)
+    penalties = PenaltyState(sc.max_num_seqs, weight.shape[0], weight.device)
     run_state = None  # device runs: only for decode rows whose prelude and coda attend nothing
     if sc.run_loops > 1 and not model.num_edge_planes:
         # a run beside prefill takes the prefill batch's loops, up to the model's depth
@@ -139,12 +141,13 @@ def assemble(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     loop_planes = kv_manager.num_loop_planes
     if run_state is not None:
         runs = DeviceRunner(model, kv_cache, states, windows, run_state, loop_planes, tile_rows,
-                            longest, capture=bool(specs))  # fmt: skip
+                            longest, capture=bool(specs), penalties=penalties)  # fmt: skip
         if specs:  # captured now: a first use mid-serving would stall every row
             spec = config.speculative
             runs.warm_up(config.exit.exit_mode, spec.speculative_draft_loops,
                          spec.speculative_max_decode_rows)  # fmt: skip
-    runner = ModelRunner(model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs)
+    runner = ModelRunner(model, kv_cache, states, windows, loop_planes, graphs, tile_rows, runs,
+                         penalties)  # fmt: skip
     handoff = KVHandoff(scheduler, kv_manager, kv_cache)
     return EngineParts(model_dir, loaded, kv_manager, scheduler, runner, handoff, max_model_len)
 

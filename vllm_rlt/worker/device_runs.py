@@ -49,6 +49,7 @@ from vllm_rlt.worker.graph_tables import DECODE_BUCKETS, capped
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.penalties import PenaltyState
 from vllm_rlt.worker.run_state import RunState
 from vllm_rlt.worker.sampler import SamplingTensors, host_tokens, sample
 from vllm_rlt.worker.spec_windows import WindowTokens
@@ -66,10 +67,11 @@ class RunMirror:
 class DeviceRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: DeviceKVCache, states: HiddenStateStore,
                  windows: WindowTokens, state: RunState, num_planes: int, tile_rows: int,
-                 max_context: int, capture: bool):  # fmt: skip
+                 max_context: int, capture: bool, penalties: PenaltyState):  # fmt: skip
         """`state`: the runs' buffers; `num_planes`: the loops' KV planes (1: SHARED, nothing to
         fill); `max_context`: positions a row may reach (sizes the attention's KV splits);
-        `capture`: record the run's functions as CUDA graphs."""
+        `capture`: record the run's functions as CUDA graphs; `penalties`: what the rows'
+        penalties read (their output counts, which each sample phase adds to)."""
         self.model = model
         self.kv_cache = kv_cache
         self.states = states
@@ -81,6 +83,7 @@ class DeviceRunner:
         self.block_size = kv_cache.block_size
         self.scratch = kv_cache.scratch_block * kv_cache.block_size
         self.state = state
+        self.penalties = penalties
         # the bookkeeping's kernels on CUDA, their torch form elsewhere
         self.ops = run_rows if kv_cache.kv.is_cuda else run_rows_torch
         backends = [m.backend for m in model.modules() if hasattr(m, "backend")]
@@ -182,7 +185,7 @@ class DeviceRunner:
         """A sample phase of the first `r` rows (of `run`: its lanes), through its graph."""
         lanes, drafts = (run.lanes, run.draft_loops) if run is not None else (1, 0)
         flags = (tensors.all_greedy, tensors.any_cut, tensors.bias is not None,
-                 tensors.num_logprobs, lanes, drafts)  # fmt: skip
+                 tensors.penalty is not None, tensors.num_logprobs, lanes, drafts)  # fmt: skip
         self._call(("sample", r, *flags), lambda: self._sample_rows(r, tensors, lanes, drafts))
 
     def _sample_rows(self, r: int, tensors: SamplingTensors, lanes: int, drafts: int) -> None:
@@ -191,12 +194,17 @@ class DeviceRunner:
         loops)."""
         s = self.state
         logits = self.edges.logits(self.states.buffer[s.state_rows[:r]], [])
+        if tensors.penalty is not None:  # (never with lanes: such rows do not speculate)
+            tensors = replace(tensors, seen=self.penalties.rows(s.slots[:r]))
+            took = s.ready[:r] & ~s.done[:r]  # the rows that take a token in this phase
         out = sample(logits, tensors)
         s.record_logprobs(r, out)
         if lanes > 1:
             self.ops.take_lanes(s, r // lanes, lanes, drafts, out.token_ids)
         else:
             self.ops.take_tokens(s, r, out.token_ids, self.windows.tokens)
+        if tensors.penalty is not None:
+            self.penalties.count(s.slots[:r], out.token_ids, took)
 
     def _step(self, rows: RunRows) -> None:
         """One loop of the run's rows alone."""

@@ -31,6 +31,7 @@ from vllm_rlt.core.sched.execution_batch import (
     StateSpan,
     StepOutput,
 )
+from vllm_rlt.sampling_params import penalized
 from vllm_rlt.tensor_utils import read_back, to_device
 from vllm_rlt.worker.cuda_graph import CudaGraphRunner, StaticInvocation
 from vllm_rlt.worker.device_runs import DeviceRunner, RunMirror, RunRows
@@ -38,6 +39,7 @@ from vllm_rlt.worker.edge_stages import EdgeSegment, edge_stages_for
 from vllm_rlt.worker.hidden_state import HiddenStateStore
 from vllm_rlt.worker.invocation_timer import InvocationTimer, detailed_shape, invocation_shape
 from vllm_rlt.worker.kv_cache import DeviceKVCache
+from vllm_rlt.worker.penalties import PenaltyState
 from vllm_rlt.worker.prompt_logprobs import Pick, PromptLogprobs
 from vllm_rlt.worker.sampler import SamplingTensors, host_tokens, sample
 from vllm_rlt.worker.spec_windows import WindowTokens
@@ -66,6 +68,7 @@ class ModelRunner:
         graphs: CudaGraphRunner | None = None,
         tile_rows: int = TILE_ROWS,
         runs: DeviceRunner | None = None,
+        penalties: PenaltyState | None = None,
     ):
         """`states`: the hidden-state buffer (a slot per running request; the engine allocates
         it before sizing the KV cache); `windows`: the tokens that enter decode rows and the
@@ -73,7 +76,8 @@ class ModelRunner:
         loops (the model's edge planes follow them); `graphs`: runs the invocations its
         buckets admit over static buffers (None: all eager); `tile_rows`: rows per multi-row
         attention tile of eager invocations (the graph runner's own); `runs`: runs the plans'
-        device runs (None: the plans have none)."""
+        device runs (None: the plans have none); `penalties`: what the penalties read (the
+        device runs' too; None: allocated here)."""
         self.model = model
         self.graphs = graphs
         self.tile_rows = tile_rows
@@ -86,6 +90,8 @@ class ModelRunner:
         self.windows = windows
         self.edges = edge_stages_for(model, kv_cache, num_planes, tile_rows)
         self.runs = runs
+        vocab_size = model.lm_head.weight.shape[0]
+        self.penalties = penalties or PenaltyState(states.max_num_seqs, vocab_size, self.device)
         self.prompt_logprobs = PromptLogprobs(self.edges, self.device)
         # benchmarks attach one to time each recurrent-core call by its shape
         self.timer: InvocationTimer | None = None
@@ -175,6 +181,7 @@ class ModelRunner:
         for data in batch.new_requests:
             slot = self.states.allocate(data.ring_slots * data.chunk_size)
             self.reqs[data.request_id] = _Mirror(data, slot)
+            self.penalties.admit(slot, data)
             if data.resume_token is not None:
                 self.windows.tokens[slot, 0] = data.resume_token
         for req_id, tables in batch.block_tables:
@@ -196,8 +203,12 @@ class ModelRunner:
         logits = self.edges.logits(self.states.buffer[rows], segments)
         params = [m.data for m in mirrors]
         num_logprobs = max(p.num_logprobs for p in params)
-        out = sample(logits, SamplingTensors.of(params, list(indices), num_logprobs, self.device))
+        seen = self.penalties.rows(slots) if any(map(penalized, params)) else None
+        tensors = SamplingTensors.of(params, list(indices), num_logprobs, self.device, seen)
+        out = sample(logits, tensors)
         self.windows.set_newest(slots, out.token_ids)
+        if seen is not None:
+            self.penalties.count(slots, out.token_ids)
         # the copies start now, ahead of the step's invocations, which go on while the host waits
         copied = read_back(out.token_ids, out.logprobs, out.logprob_token_ids)
         wants = [p.num_logprobs for p in params]  # the mirrors may be gone when read back

@@ -10,9 +10,15 @@ import numpy as np
 import torch
 
 from vllm_rlt.core.sched.execution_batch import DecodeRun
-from vllm_rlt.sampling_params import MAX_LOGIT_BIAS
+from vllm_rlt.sampling_params import MAX_LOGIT_BIAS, penalized
 from vllm_rlt.tensor_utils import to_device_packed
-from vllm_rlt.worker.sampler import SamplerOutput, SamplingTensors, bias_arrays, shortcuts
+from vllm_rlt.worker.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    bias_arrays,
+    penalty_rows,
+    shortcuts,
+)
 
 _CARRIED_INTS = 3  # the integer fields every run loads (top-k, seed, the trace's base)
 _INTS = 12  # and those a fresh run loads after them
@@ -39,8 +45,9 @@ class RunState:
         (self.top_k, self.seeds, self.base, self.slots, self.state_rows, self.loops,
          self.exit_at, self.position, self.count, self.max_count, self.min_loops,
          self.max_loops) = self._ints  # fmt: skip
-        self._f32 = zeros(3, s, dtype=torch.float32)
-        self.temperature, self.top_p, self.min_p = self._f32
+        self._f32 = zeros(6, s, dtype=torch.float32)
+        self.temperature, self.top_p, self.min_p = self._f32[:3]
+        self.penalty = self._f32[3:]  # presence, frequency, repetition
         self._f64 = zeros(2, s, dtype=torch.float64)
         self.remaining, self.threshold = self._f64
         self._flags = zeros(5, s, dtype=torch.bool)
@@ -98,7 +105,8 @@ class RunState:
         ints[1] = [p.seed for p in params]
         ints[2, :r] = np.repeat([x.num_sampled for x in rows], lanes)  # the trace's base
         f32 = np.array([[p.temperature for p in params], [p.top_p for p in params],
-                        [p.min_p for p in params]], np.float32)  # fmt: skip
+                        [p.min_p for p in params], *np.array(penalty_rows(params)).T],
+                       np.float32)  # fmt: skip
         # the blocks of the positions the runs may reach (all the rows' blocks)
         planes = self.tables.shape[1]
         width = min(max(len(t) for m in mirrors for t in m.block_tables[:planes]),
@@ -154,7 +162,8 @@ class RunState:
         self.phase.zero_()
         self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
-        return self._sampling(arrays[0][0], *arrays[1], num_logprobs, biased)
+        penalties = any(map(penalized, params))
+        return self._sampling(arrays[0][0], *arrays[1][:3], num_logprobs, biased, penalties)
 
     @staticmethod
     def _fresh(rows, mirrors, states, padded: int, lanes: int) -> list[np.ndarray]:
@@ -226,7 +235,8 @@ class RunState:
         self._ints[:2, :rows] = 0  # top-k, seed
         self._f32[0, :rows] = 0.0  # greedy
         self._f32[1, :rows] = 1.0
-        self._f32[2, :rows] = 0.0
+        self._f32[2:5, :rows] = 0.0  # min-p, presence, frequency
+        self._f32[5, :rows] = 1.0  # repetition
         zeros = np.zeros(rows, dtype=np.float32)
         return self._sampling(zeros.astype(np.int64), zeros, zeros + 1, zeros, -1)
 
@@ -243,10 +253,11 @@ class RunState:
         self.slots[start:end] = 0
 
     def _sampling(self, top_k, temperature, top_p, min_p, num_logprobs: int,
-                  biased: bool = False) -> SamplingTensors:  # fmt: skip
+                  biased: bool = False, penalties: bool = False) -> SamplingTensors:  # fmt: skip
         """The sampling tensors over the loaded buffers (host copies of the settings, float32
         as on the device: the shortcut flags cost no device sync; `biased`: some row has a
-        logit bias)."""
+        logit bias; `penalties`: some row has a penalty, whose counts the sample phase
+        gathers, `seen`)."""
         r = len(top_k)
         all_greedy, any_cut = shortcuts(temperature, top_k, top_p, min_p)
         if num_logprobs >= 0 and num_logprobs not in self._logprobs:
@@ -260,6 +271,7 @@ class RunState:
             min_p=self.min_p[:r], seeds=self.seeds[:r], counters=self.count[:r],
             num_logprobs=num_logprobs, all_greedy=all_greedy, any_cut=any_cut,
             bias_ids=self.bias_ids[:r] if biased else None, bias=self.bias[:r] if biased else None,
+            penalty=self.penalty[:, :r] if penalties else None,
         )  # fmt: skip
 
     def record_logprobs(self, r: int, out: SamplerOutput) -> None:

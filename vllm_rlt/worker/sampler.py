@@ -1,12 +1,13 @@
 """Token sampling over a batch of logit rows, vectorised and independent of batch composition.
 
-A request's logit bias is added to its logits first. Greedy rows take the argmax (ties -> lowest
-id). Random rows apply temperature, then min-p, then top-k, then top-p (vLLM's order), and
-sample with the Gumbel-max trick: the noise for (row, vocab id v) is a counter-based hash of
-(seed, counter, v), so a request's token depends only on its seed, its output-token index and
-its logits - never on the other rows of the batch or their order. Logprobs come from the raw
-logits (fp32 log_softmax before the bias, temperature, min-p, top-k and top-p), as vLLM reports
-them by default.
+A request's logit bias is added to its logits first, then its penalties apply (repetition, then
+frequency and presence, as vLLM's). Greedy rows take the argmax (ties -> lowest id). Random rows
+apply temperature, then min-p, then top-k, then top-p (vLLM's order), and sample with the
+Gumbel-max trick: the noise for (row, vocab id v) is a counter-based hash of (seed, counter, v),
+so a request's token depends only on its seed, its output-token index and its logits - never on
+the other rows of the batch or their order. Logprobs come from the raw logits (fp32 log_softmax
+before the bias, the penalties, temperature, min-p, top-k and top-p), as vLLM reports them by
+default.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ import numpy as np
 import torch
 
 from vllm_rlt.core.sched.execution_batch import SampledToken
-from vllm_rlt.sampling_params import GREEDY_TEMPERATURE_EPS, MAX_LOGIT_BIAS, samples_greedily
+from vllm_rlt.sampling_params import (
+    GREEDY_TEMPERATURE_EPS,
+    MAX_LOGIT_BIAS,
+    penalized,
+    samples_greedily,
+)
 from vllm_rlt.tensor_utils import counter_uniform, to_device_packed
 
 
@@ -35,6 +41,10 @@ class SamplingTensors:
     # logit bias: [N, B] token ids and their biases (padding: token 0, bias 0); None: no row has
     bias_ids: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    # penalties: [3, N] float32 presence, frequency and repetition (None: no row has one), and
+    # what they read, [N, V] output counts and prompt flags (`PenaltyState.rows`)
+    penalty: torch.Tensor | None = None
+    seen: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -48,18 +58,25 @@ class SamplingTensors:
         num_logprobs: int,
         device: torch.device | str,
         logit_bias: list | None = None,
+        penalty: list | None = None,
+        seen: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingTensors:
         """One tensor per field from per-row lists (row i of every list is row i of the logits;
-        `logit_bias`: each row's (id, bias) pairs or None), uploaded together."""
+        `logit_bias`: each row's (id, bias) pairs or None; `penalty`: each row's (presence,
+        frequency, repetition) or None where no row has one, `seen` then what they read),
+        uploaded together."""
         host = [np.asarray(temperature, np.float32), np.asarray(top_k, np.int64),
                 np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
                 np.asarray(seeds, np.int64), np.asarray(counters, np.int64)]  # fmt: skip
         all_greedy, any_cut = shortcuts(*host[:4])
+        if penalty is not None:
+            host.append(np.asarray(penalty, np.float32).T.copy())
         if logit_bias is not None and any(logit_bias):
             host += bias_arrays(logit_bias, max(len(b or ()) for b in logit_bias))
-        temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, counters_t, *bias = to_device_packed(
+        temperature_t, top_k_t, top_p_t, min_p_t, seeds_t, counters_t, *more = to_device_packed(
             host, torch.device(device)
         )
+        penalty_t = more.pop(0) if penalty is not None else None
         return cls(
             temperature=temperature_t,
             top_k=top_k_t,
@@ -70,14 +87,21 @@ class SamplingTensors:
             num_logprobs=num_logprobs,
             all_greedy=all_greedy,
             any_cut=any_cut,
-            bias_ids=bias[0] if bias else None,
-            bias=bias[1] if bias else None,
+            bias_ids=more[0] if more else None,
+            bias=more[1] if more else None,
+            penalty=penalty_t,
+            seen=seen if penalty is not None else None,
         )
 
     @classmethod
-    def of(cls, params, counters: list[int], num_logprobs: int, device) -> SamplingTensors:
+    def of(cls, params, counters: list[int], num_logprobs: int, device,
+           seen: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplingTensors:  # fmt: skip
         """`build` from per-row settings objects (`temperature`, `top_k`, `top_p`, `min_p`,
-        `seed`, `logit_bias` attributes, as NewRequestData)."""
+        `seed`, `logit_bias` and penalty attributes, as NewRequestData); `seen`: what their
+        penalties read, where some row has one."""
+        penalty = penalty_rows(params) if any(penalized(p) for p in params) else None
+        if penalty is not None and seen is None:
+            raise ValueError("rows with penalties need their output counts (seen)")
         return cls.build(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
@@ -88,6 +112,8 @@ class SamplingTensors:
             counters=counters,
             num_logprobs=num_logprobs,
             device=device,
+            penalty=penalty,
+            seen=seen,
         )
 
 
@@ -100,7 +126,7 @@ class SamplerOutput:
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row of `logits` [N, V] (any float dtype, CPU or CUDA)."""
-    shifted = biased(logits, t)
+    shifted = penalties(biased(logits, t), t)
     greedy_ids = shifted.argmax(dim=-1)
     if t.all_greedy:
         token_ids = greedy_ids
@@ -134,6 +160,27 @@ def biased(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
     return logits.float().scatter_add(-1, t.bias_ids, t.bias)
 
 
+def penalty_rows(params) -> list[tuple[float, float, float]]:
+    """Each row's (presence, frequency, repetition) penalties."""
+    return [(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params]
+
+
+def penalties(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
+    """`logits` with each row's penalties applied (fp32), or as they are when no row has one:
+    the positive logits of tokens in the prompt or the output divided by the repetition
+    penalty, the negative ones multiplied; then frequency times each token's output count and
+    presence for every token the output holds subtracted. Rows without penalties keep their
+    values (x / 1, x * 1, x - 0)."""
+    if t is None or t.penalty is None:
+        return logits
+    counts, in_prompt = t.seen
+    x = logits.float()
+    presence, frequency, repetition = (v[:, None] for v in t.penalty)
+    seen = counts > 0
+    x = torch.where(seen | in_prompt, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts - presence * seen
+
+
 def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
               min_p: np.ndarray) -> tuple[bool, bool]:  # fmt: skip
     """(every row takes the argmax, some random row cuts with min-p, top-k or top-p) from host
@@ -146,9 +193,12 @@ def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
 
 def plain_argmax(params) -> bool:
     """Whether every row of `params` (per-row settings objects, as `SamplingTensors.of` takes)
-    takes the argmax of its logits as they are (greedy, no logit bias): then the caller needs
-    no sampling tensors (host check, no device work)."""
-    return all(samples_greedily(p.temperature, p.top_k) and not p.logit_bias for p in params)
+    takes the argmax of its logits as they are (greedy, no logit bias, no penalties): then the
+    caller needs no sampling tensors (host check, no device work)."""
+    return all(
+        samples_greedily(p.temperature, p.top_k) and not p.logit_bias and not penalized(p)
+        for p in params
+    )
 
 
 def greedy_rows(t: SamplingTensors) -> torch.Tensor:

@@ -6,7 +6,8 @@ tokens are those of plain decoding. Random rows use standard rejection sampling:
 drawn from `q` is accepted with probability min(1, p(x) / q(x)); at the first rejection the
 token is drawn from normalize(max(0, p - q)); when every draft is accepted one more token is
 drawn from the target. The output distribution is then exactly the target's. `p` and `q` are the
-distributions plain sampling draws from (logit bias, temperature, min-p, top-k, top-p applied).
+distributions plain sampling draws from (logit bias, temperature, min-p, top-k, top-p applied;
+requests with penalties do not speculate).
 
 All randomness is counter-based, as in `sampler.py`: the noise of a decision is a function of the
 request's seed, the output index of the token it decides and a salt per kind of decision (draft,

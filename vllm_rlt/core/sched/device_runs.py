@@ -173,11 +173,13 @@ class RunPlanner:
 
     def _speculates(self, reqs: list[Request]) -> bool:
         """Whether a run alone over the rows of `reqs` speculates: speculation is on, at most
-        `speculative_max_decode_rows` rows decode, some row is greedy without logprobs, and
-        lanes pay (`LaneRule`)."""
+        `speculative_max_decode_rows` rows decode, none with penalties, some row is greedy
+        without logprobs, and lanes pay (`LaneRule`)."""
         spec = self.speculative
         if spec is None or len(reqs) > spec.speculative_max_decode_rows:
             return False
+        if any(r.sampling_params.penalized for r in reqs):
+            return False  # (a penalty counts the tokens before: no row of its run has lanes)
         if not speculation_on(self.governor):
             return False
         return any(self._drafts(r) for r in reqs) and self.lane_rule.wanted()

@@ -124,6 +124,9 @@ class NewRequestData:
     # loops each fed-back output position runs (they follow the prompt in prompt_token_ids)
     resumed_loops: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] | None = None  # as in SamplingParams
+    presence_penalty: float = 0.0  # penalties, as in SamplingParams (off: 0, 0, 1)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)

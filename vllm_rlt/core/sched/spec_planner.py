@@ -120,8 +120,8 @@ class SpecPlanner:
     # ---- windows ----------------------------------------------------------------------------
     def open(self, req: Request, token: DecodeToken, num_decoding: int) -> bool:
         """Open a window at the newest sampled `token` when the rule takes drafts for it
-        (requests that ask for logprobs decode plainly)."""
-        if req.sampling_params.logprobs is not None:
+        (requests that ask for logprobs or penalties decode plainly)."""
+        if req.sampling_params.logprobs is not None or req.sampling_params.penalized:
             return False
         remaining = req.sampling_params.max_tokens - req.num_sampled
         k = self.num_drafts(num_decoding, remaining)

@@ -24,9 +24,6 @@ class _Request(BaseModel):
 # that ask for nothing (clients send some of them by default): any other value is a 400 that
 # names the field, where ignoring it would serve the request as if it had not been asked.
 _NOT_IMPLEMENTED = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "min_tokens": (0,),
     "allowed_token_ids": (),
     "bad_words": ([],),
@@ -66,6 +63,9 @@ class _SamplingFields(_Request):
     top_k: int = 0
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None  # {token id (a decimal string): bias}
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # (vLLM's)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -78,9 +78,6 @@ class _SamplingFields(_Request):
     exit_threshold: float | None = None
     init_scale: float | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's)
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     min_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -120,6 +117,9 @@ class _SamplingFields(_Request):
             top_k=self.top_k,
             min_p=self.min_p,
             logit_bias=self.logit_bias,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -1,8 +1,9 @@
-"""Request fields of OpenAI's and vLLM's APIs that the engine does not implement (penalties,
-structured outputs, tools, ...): a value that asks for something is a 400 naming the field,
-the values that ask for nothing are served as if absent; completions' `max_tokens: null` takes
-the rest of the context; `min_p` and `logit_bias`, which it implements. Over real HTTP
-with the `openai` client."""
+"""Request fields of OpenAI's and vLLM's APIs that the engine does not implement
+(`min_tokens`, structured outputs, tools, ...): a value that asks for something is a 400
+naming the field, the values that ask for nothing are served as if absent; completions'
+`max_tokens: null` takes the rest of the context; `min_p`, `logit_bias` and the penalties,
+which it implements. Over real HTTP with the `openai` client.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +19,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 ASKING = {  # field: a value that asks for what the engine does not do
-    "presence_penalty": 0.5,
-    "frequency_penalty": -1.0,
-    "repetition_penalty": 1.2,
     "min_tokens": 3,
     "bad_words": ["def"],
     "allowed_token_ids": [1, 2],
@@ -35,9 +33,6 @@ ASKING = {  # field: a value that asks for what the engine does not do
     "structured_outputs": {"choice": ["yes"]},
 }
 NEUTRAL = {  # the values that ask for nothing, as some clients send them
-    "presence_penalty": 0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "min_p": 0,
     "min_tokens": 0,
     "logit_bias": {},
@@ -77,9 +72,8 @@ def test_completion_and_chat_only_fields(client):
     complete, chat = client.completions.create, client.chat.completions.create
     _refused(complete, "suffix", model=MODEL, prompt="x", suffix="y")
     _refused(complete, "best_of", model=MODEL, prompt="x", n=1, best_of=2)
-    # a bool is not a number: False asks for no penalty only in the wrong type
-    _refused(complete, "presence_penalty", model=MODEL, prompt="x",
-             extra_body={"presence_penalty": False})  # fmt: skip
+    # a bool is not a number: False asks for no minimum only in the wrong type
+    _refused(complete, "min_tokens", model=MODEL, prompt="x", extra_body={"min_tokens": False})
     json_mode = {"type": "json_object"}
     _refused(chat, "response_format", model=MODEL, messages=MESSAGES, response_format=json_mode)
     for choice in (openai.NOT_GIVEN, "auto", "required"):
@@ -155,3 +149,21 @@ def test_logit_bias_forces_or_bans_tokens_and_leaves_logprobs_raw(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=MODEL, prompt="x", logit_bias=bad)
         assert err.value.body["param"] == "logit_bias" and why in err.value.body["message"]
+
+
+def test_penalties_stop_a_pushed_token_from_recurring(client):
+    """A +5 bias makes a token every greedy token; presence and frequency penalties of 2 let
+    it recur at most a few times; out of range, a 400 naming the penalty."""
+    base = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0,
+            "logprobs": 0, "logit_bias": {"17": 5},
+            "extra_body": {"ignore_eos": True, "return_tokens_as_token_ids": True}}  # fmt: skip
+    assert _token_ids(client.completions.create(**base)) == [17] * 12
+    out = client.completions.create(**base, presence_penalty=2.0, frequency_penalty=2.0)
+    assert 1 <= _token_ids(out).count(17) <= 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", presence_penalty=2.5)
+    assert err.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                       extra_body={"repetition_penalty": 0})  # fmt: skip
+    assert err.value.body["param"] == "repetition_penalty"
