@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched
+from tests.engine.harness import Job, compare, kv_all_free, make_engine, random_extras, run_batched
 from tests.engine.test_speculative_gate import _jobs as gate_jobs
 from vllm_rlt.models.tiny import default_model_dir, write_tiny_ouro
 from vllm_rlt.sampling_params import SamplingParams
@@ -28,8 +28,9 @@ def model_dir(tmp_path_factory):
 
 
 def workload(seed: int):
-    """Random jobs (staggered arrivals, exits on or off, greedy and sampled, shared prefixes)
-    and engine settings; the KV cache holds exactly one request of the longest job's length."""
+    """Random jobs (staggered arrivals, exits on or off, greedy and sampled, logit biases and
+    penalties, shared prefixes) and engine settings; the KV cache holds exactly one request of
+    the longest job's length."""
     rng = random.Random(seed)
     exits = rng.random() < 0.5
     system = rng.choices(range(256), k=rng.randint(0, 8))
@@ -43,6 +44,7 @@ def workload(seed: int):
             exit_threshold=rng.choice([0.3, 0.5, 0.8]) if exits else 1.0,
             logprobs=rng.choice([None, None, 2]),
             ignore_eos=True,
+            **random_extras(seed, i, range(256)),  # (a resumed request recounts its output)
         )
         jobs.append(Job(f"p{i}", prompt, params, rng.randint(0, 6), rng.randint(0, 2)))
     longest = max(len(j.prompt) + j.params.max_tokens - 1 for j in jobs)
