@@ -12,7 +12,7 @@ import torch
 from benchmarks.model_shapes import write_shape
 from benchmarks.probes import invariance
 from benchmarks.probes.invariance import StateRecorder
-from tests.engine.harness import Job, compare, kv_all_free, make_engine, run_batched
+from tests.engine.harness import Job, compare, kv_all_free, make_engine, random_extras, run_batched
 from tests.helpers import rel_err
 from vllm_rlt.config import EngineConfig
 from vllm_rlt.core.sched.execution_batch import RowKind
@@ -45,7 +45,8 @@ def engine(model_dir, device="cpu", backend="torch", **kw) -> LLMEngine:
 
 def workload(seed: int):
     """Random engine settings and jobs: prompts 1-300, chunks 1-64, budgets and max_num_seqs
-    1-8, staggered arrivals, early exit on or off, decode traffic."""
+    1-8, staggered arrivals, early exit on or off, logit biases and penalties, decode
+    traffic."""
     rng = random.Random(seed)
     exits = rng.random() < 0.5
     jobs = []
@@ -58,6 +59,7 @@ def workload(seed: int):
             seed=rng.randrange(10**6),
             exit_threshold=rng.choice([0.3, 0.5, 0.8]) if exits else 1.0,
             ignore_eos=True,
+            **random_extras(seed, i, range(256)),
         )
         jobs.append(Job(f"w{i}", prompt, params, rng.randint(0, 8)))
     settings = {
