@@ -95,22 +95,25 @@ def test_batch_invariance_and_seed_reproducibility():
 
 
 def test_host_flags_take_exact_shortcuts():
-    """all_greedy / any_cut only skip work: the general path gives the same tokens."""
+    """all_greedy / any_cut / min_p None only skip work: the general path gives the same
+    tokens."""
     torch.manual_seed(3)
     logits = torch.randn(32, 100)
     for kw in (dict(temperature=0.0), dict(temperature=0.9), dict(temperature=1.0, top_p=0.7),
                dict(temperature=1.0, min_p=0.2)):  # fmt: skip
         fast = tensors(32, **kw)
+        min_p = torch.zeros(32) if fast.min_p is None else fast.min_p  # (0: off)
         general = SamplingTensors(
-            fast.temperature, fast.top_k, fast.top_p, fast.min_p, fast.seeds, fast.counters, -1
+            fast.temperature, fast.top_k, fast.top_p, min_p, fast.seeds, fast.counters, -1
         )
         assert not general.all_greedy and general.any_cut
         assert torch.equal(sample(logits, fast).token_ids, sample(logits, general).token_ids)
     assert tensors(2, temperature=0.0).all_greedy
     assert tensors(2, temperature=1.0, top_k=1).all_greedy
     assert not tensors(2, temperature=1.0).any_cut
-    assert tensors(2, temperature=1.0, min_p=0.1).any_cut
-    assert not tensors(2, temperature=0.0, min_p=0.1).any_cut  # (greedy rows cut nothing)
+    assert tensors(2, temperature=1.0, min_p=0.1).min_p is not None
+    assert tensors(2, temperature=1.0).min_p is None
+    assert tensors(2, temperature=0.0, min_p=0.1).min_p is None  # (greedy rows cut nothing)
 
 
 def test_different_seeds_and_counters_give_different_draws():

@@ -184,8 +184,9 @@ class DeviceRunner:
     def _sample(self, r: int, tensors: SamplingTensors, run: DecodeRun | None = None) -> None:
         """A sample phase of the first `r` rows (of `run`: its lanes), through its graph."""
         lanes, drafts = (run.lanes, run.draft_loops) if run is not None else (1, 0)
-        flags = (tensors.all_greedy, tensors.any_cut, tensors.bias is not None,
-                 tensors.penalty is not None, tensors.num_logprobs, lanes, drafts)  # fmt: skip
+        flags = (tensors.all_greedy, tensors.any_cut, tensors.min_p is not None,
+                 tensors.bias is not None, tensors.penalty is not None, tensors.num_logprobs,
+                 lanes, drafts)  # fmt: skip
         self._call(("sample", r, *flags), lambda: self._sample_rows(r, tensors, lanes, drafts))
 
     def _sample_rows(self, r: int, tensors: SamplingTensors, lanes: int, drafts: int) -> None:

@@ -259,7 +259,7 @@ class RunState:
         logit bias; `penalties`: some row has a penalty, whose counts the sample phase
         gathers, `seen`)."""
         r = len(top_k)
-        all_greedy, any_cut = shortcuts(temperature, top_k, top_p, min_p)
+        all_greedy, any_cut, any_min_p = shortcuts(temperature, top_k, top_p, min_p)
         if num_logprobs >= 0 and num_logprobs not in self._logprobs:
             shape = (*self.tokens.shape, 1 + num_logprobs)
             self._logprobs[num_logprobs] = (
@@ -268,7 +268,8 @@ class RunState:
             )
         return SamplingTensors(
             temperature=self.temperature[:r], top_k=self.top_k[:r], top_p=self.top_p[:r],
-            min_p=self.min_p[:r], seeds=self.seeds[:r], counters=self.count[:r],
+            min_p=self.min_p[:r] if any_min_p else None, seeds=self.seeds[:r],
+            counters=self.count[:r],
             num_logprobs=num_logprobs, all_greedy=all_greedy, any_cut=any_cut,
             bias_ids=self.bias_ids[:r] if biased else None, bias=self.bias[:r] if biased else None,
             penalty=self.penalty[:, :r] if penalties else None,

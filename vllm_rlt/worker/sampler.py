@@ -32,12 +32,12 @@ class SamplingTensors:
     temperature: torch.Tensor  # [N] float32; below 1e-5 (0) = greedy
     top_k: torch.Tensor  # [N] int64; 0 = off
     top_p: torch.Tensor  # [N] float32; 1.0 = off
-    min_p: torch.Tensor  # [N] float32; 0 = off
+    min_p: torch.Tensor | None  # [N] float32, 0 = off; None: no random row uses it
     seeds: torch.Tensor  # [N] int64 per-request seed (the engine draws one for unseeded requests)
     counters: torch.Tensor  # [N] int64 index of the output token being sampled (0-based)
     num_logprobs: int  # most top alternatives asked for in the batch; -1 = no logprobs at all
     all_greedy: bool = False  # host-known: every row is greedy, so skip the random path
-    any_cut: bool = True  # host-known: some random row cuts tokens (min-p, top-k or top-p)
+    any_cut: bool = True  # host-known: some random row cuts with top-k or top-p (a sort)
     # logit bias: [N, B] token ids and their biases (padding: token 0, bias 0); None: no row has
     bias_ids: torch.Tensor | None = None
     bias: torch.Tensor | None = None
@@ -68,7 +68,7 @@ class SamplingTensors:
         host = [np.asarray(temperature, np.float32), np.asarray(top_k, np.int64),
                 np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
                 np.asarray(seeds, np.int64), np.asarray(counters, np.int64)]  # fmt: skip
-        all_greedy, any_cut = shortcuts(*host[:4])
+        all_greedy, any_cut, any_min_p = shortcuts(*host[:4])
         if penalty is not None:
             host.append(np.asarray(penalty, np.float32).T.copy())
         if logit_bias is not None and any(logit_bias):
@@ -81,7 +81,7 @@ class SamplingTensors:
             temperature=temperature_t,
             top_k=top_k_t,
             top_p=top_p_t,
-            min_p=min_p_t,
+            min_p=min_p_t if any_min_p else None,
             seeds=seeds_t,
             counters=counters_t,
             num_logprobs=num_logprobs,
@@ -182,13 +182,13 @@ def penalties(logits: torch.Tensor, t: SamplingTensors | None) -> torch.Tensor:
 
 
 def shortcuts(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
-              min_p: np.ndarray) -> tuple[bool, bool]:  # fmt: skip
-    """(every row takes the argmax, some random row cuts with min-p, top-k or top-p) from host
-    copies of the settings (the floats in float32, as on the device): flags that let the
-    sampler skip work without a device sync."""
+              min_p: np.ndarray) -> tuple[bool, bool, bool]:  # fmt: skip
+    """(every row takes the argmax, some random row cuts with top-k or top-p, some random row
+    uses min-p) from host copies of the settings (the floats in float32, as on the device):
+    flags that let the sampler skip work without a device sync."""
     greedy = (temperature < GREEDY_TEMPERATURE_EPS) | (top_k == 1)
-    cuts = (top_k > 0) | (top_p < 1.0) | (min_p > 0)
-    return bool(greedy.all()), bool((cuts & ~greedy).any())
+    cuts = (top_k > 0) | (top_p < 1.0)
+    return bool(greedy.all()), bool((cuts & ~greedy).any()), bool(((min_p > 0) & ~greedy).any())
 
 
 def plain_argmax(params) -> bool:
@@ -211,10 +211,11 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     top-k and top-p (cut tokens at -inf); greedy rows get a throwaway value."""
     temperature = torch.where(greedy_rows(t), torch.ones_like(t.temperature), t.temperature)
     scaled = logits.float() / temperature[:, None]
-    if t.any_cut:
-        # min-p: p / p_max >= min_p is scaled - max >= log(min_p) (log 0 = -inf keeps all)
+    if t.min_p is not None:
+        # p / p_max >= min_p is scaled - max >= log(min_p) (log 0 = -inf keeps every token)
         floor = scaled.amax(dim=-1, keepdim=True) + t.min_p[:, None].log()
         scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+    if t.any_cut:
         scaled = scaled.masked_fill(scaled < _cutoff(scaled, t.top_k, t.top_p), float("-inf"))
     return scaled
 
