@@ -17,6 +17,9 @@ GREEDY_TEMPERATURE_EPS = 1e-5  # temperatures below this sample greedily (vLLM's
 SEED_MAX = 2**63 - 1  # seeds are int64 on the device; every sample's seed (seed + i) fits
 MAX_LOGIT_BIAS = 300  # most tokens a request's logit_bias may name
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range)
+# repetition_penalty's range: vLLM takes any value > 0; these bounds keep the division and the
+# product of a float32 logit finite (a larger one bans repeats no more than 1000 does)
+REPETITION_RANGE = (1e-3, 1e3)
 
 
 def _int(name: str, value: Any) -> int:
@@ -129,8 +132,8 @@ class SamplingParams:
     # penalties (vLLM's, after the logit bias): presence subtracts presence_penalty from the
     # logit of every token the output holds, frequency frequency_penalty times its count (each
     # in [-2, 2], OpenAI's range); repetition divides the positive logits of tokens in the
-    # prompt or the output by repetition_penalty (> 0) and multiplies the negative ones. Off: 0,
-    # 0, 1. A request with penalties does not speculate
+    # prompt or the output by repetition_penalty (in [0.001, 1000]) and multiplies the negative
+    # ones. Off: 0, 0, 1. A request with penalties does not speculate
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -177,8 +180,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
             fix(name, value)
         repetition = _float("repetition_penalty", self.repetition_penalty)
-        if repetition <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
+        if not REPETITION_RANGE[0] <= repetition <= REPETITION_RANGE[1]:
+            raise ValueError(
+                f"repetition_penalty must be in [{REPETITION_RANGE[0]:g}, "
+                f"{REPETITION_RANGE[1]:g}], got {repetition}"
+            )
         fix("repetition_penalty", repetition)
 
         top_k = _int("top_k", self.top_k)

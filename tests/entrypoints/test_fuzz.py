@@ -62,6 +62,13 @@ SAMPLING = {
     "min_loops": st.integers(1, 4),
     "max_loops": st.integers(1, 4),
     "exit_threshold": st.floats(0, 1),
+    "min_p": st.floats(0, 1),
+    "logit_bias": st.dictionaries(st.integers(0, 520).map(str), st.floats(-100, 100), max_size=3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.1, 3),
+    "min_tokens": st.integers(0, 2),  # (not implemented: 0 is served, more is a 400)
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
 }
 COMPLETION = {
     **SAMPLING,
