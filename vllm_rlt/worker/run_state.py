@@ -104,9 +104,14 @@ class RunState:
         ints[0] = [p.top_k for p in params]
         ints[1] = [p.seed for p in params]
         ints[2, :r] = np.repeat([x.num_sampled for x in rows], lanes)  # the trace's base
-        f32 = np.array([[p.temperature for p in params], [p.top_p for p in params],
-                        [p.min_p for p in params], *np.array(penalty_rows(params)).T],
-                       np.float32)  # fmt: skip
+        # (the rows' requests: whether any has a logit bias or a penalty)
+        biased = any(m.params.logit_bias for m in mirrors)
+        penalties = any(penalized(m.params) for m in mirrors)
+        f32 = [[p.temperature for p in params], [p.top_p for p in params],
+               [p.min_p for p in params]]  # fmt: skip
+        if penalties:  # (the penalty rows are read only then)
+            f32 += np.array(penalty_rows(params)).T.tolist()
+        f32 = np.array(f32, np.float32)
         # the blocks of the positions the runs may reach (all the rows' blocks)
         planes = self.tables.shape[1]
         width = min(max(len(t) for m in mirrors for t in m.block_tables[:planes]),
@@ -131,7 +136,6 @@ class RunState:
             else:  # a fresh run's integers: one array, one copy
                 arrays[0] = np.concatenate([ints, more])
             arrays += fresh
-        biased = any(p.logit_bias for p in params)
         if biased:  # (last: popped first)
             arrays += bias_arrays([p.logit_bias for p in params])
         arrays_t = list(to_device_packed(arrays, self.device))
@@ -140,7 +144,7 @@ class RunState:
             self.bias_ids[:padded].copy_(arrays_t.pop())
         ints, f32, tables, trace, *fresh = arrays_t
         self._ints[: len(ints), :padded].copy_(ints)
-        self._f32[:, :padded].copy_(f32)
+        self._f32[: len(f32), :padded].copy_(f32)
         self.tables[:r, :, :width].copy_(tables)
         self.width = width
         if trace.shape[1]:
@@ -162,7 +166,6 @@ class RunState:
         self.phase.zero_()
         self.counts[:, :padded].zero_()
         num_logprobs = max(p.num_logprobs for p in params)
-        penalties = any(map(penalized, params))
         return self._sampling(arrays[0][0], *arrays[1][:3], num_logprobs, biased, penalties)
 
     @staticmethod

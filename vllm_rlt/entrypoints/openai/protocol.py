@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, create_model, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -51,11 +51,29 @@ def _refuse(name: str, value: Any, neutral: tuple) -> None:
     raise ValueError(f"{name}={shown} is not supported by this server (it takes {takes})")
 
 
+def _unimplemented(base: type[BaseModel], neutral: dict[str, tuple]) -> type[BaseModel]:
+    """`base` with a field per name of `neutral` (any JSON, default None) that refuses every
+    value but None and the name's neutral ones (`_refuse`)."""
+
+    def refuse(cls, value: Any, info: ValidationInfo) -> Any:
+        _refuse(info.field_name, value, neutral[info.field_name])
+        return value
+
+    name = f"{base.__name__.lstrip('_')}Unimplemented"
+    return create_model(
+        name,
+        __base__=base,
+        # (named after the model: a subclass's validator of the same name would replace it)
+        __validators__={f"refuse_{name}": field_validator(*neutral)(refuse)},
+        **{field: (Any, None) for field in neutral},
+    )
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_unimplemented(_Request, _NOT_IMPLEMENTED)):
     model: str | None = None
     n: int = 1
     temperature: float = 1.0
@@ -78,18 +96,6 @@ class _SamplingFields(_Request):
     exit_threshold: float | None = None
     init_scale: float | None = None
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's)
-    min_tokens: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    use_beam_search: Any = None
-    include_stop_str_in_output: Any = None
-    prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -101,12 +107,6 @@ class _SamplingFields(_Request):
         if bad:
             raise ValueError(f"logit_bias keys must be token ids, got {bad[0]!r}")
         return {int(k): v for k, v in value.items()}
-
-    @field_validator(*_NOT_IMPLEMENTED)
-    @classmethod
-    def _not_implemented(cls, value: Any, info: ValidationInfo) -> Any:
-        _refuse(info.field_name, value, _NOT_IMPLEMENTED[info.field_name])
-        return value
 
     def sampling_kwargs(self) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -131,19 +131,12 @@ class _SamplingFields(_Request):
         )
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_unimplemented(_SamplingFields, {"suffix": ("",)})):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # None: the rest of the context after the longest prompt
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None  # accepted where it equals n (one completion per sample)
-    suffix: Any = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: Any) -> Any:
-        _refuse("suffix", value, ("",))
-        return value
 
     @field_validator("best_of")
     @classmethod
@@ -161,21 +154,16 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(
+    _unimplemented(_SamplingFields, {"response_format": ({"type": "text"},)})
+):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: Any = None
     tool_choice: Any = None
     tools: Any = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        _refuse("response_format", value, ({"type": "text"},))
-        return value
 
     @field_validator("tools")
     @classmethod
